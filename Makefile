@@ -1,0 +1,35 @@
+# kvserve — the README's commands. Everything runs from a virtual environment
+# that `make install` creates from pyproject.toml (no hand-installed packages).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: install model serve test test-fast bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+## Fetch and convert the default model (SmolLM2-135M-Instruct) into $$KVSERVE_CACHE.
+model: install
+	$(VENV)/bin/kvserve fetch-model
+
+## Serve the default model on 127.0.0.1:8000 (pass flags with ARGS="...").
+serve: install
+	$(VENV)/bin/kvserve serve $(ARGS)
+
+## Install, fetch the default model if needed, run the whole test suite (CPU only).
+test: install
+	$(PY) -m pytest -q $(ARGS)
+
+## The tests that need no model.
+test-fast: install
+	$(PY) -m pytest -q -m "not model" $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,178 @@
+"""Typed messages: one frozen dataclass per edge between actors.
+
+Data flow (DESIGN.md section 2)::
+
+    API --GenerateRequest--> TokenizerActor --TokenizedRequest--> AdmissionActor
+        --TokenizedRequest--> SchedulerActor --ExecuteStep--> WorkerActor
+        --StepResult--> SchedulerActor --TokenDelta--> DetokenizerActor
+        --RequestOutput--> the request's RequestStream --> API (SSE)
+
+Aborts travel as ``AbortRequest`` to the admission actor (which forwards them
+to the scheduler when the request is no longer waiting there) and from the
+detokenizer back to the scheduler when a stop string matched.
+
+All times are ``time.monotonic()`` seconds unless a field says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A client's request as the API parsed it (API -> tokenizer).
+
+    Exactly one of ``prompt`` (text), ``messages`` (chat, rendered with the
+    model's chat template) or ``prompt_token_ids`` is set.
+    ``priority``: lower is served first (vLLM's convention).
+    ``request_class``: an optional workload label (``X-Request-Class``) that
+    is carried into logs and metrics.
+    """
+
+    request_id: str
+    sampling_params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    priority: int = 0
+    request_class: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenizedRequest:
+    """A request with its prompt token ids (tokenizer -> admission -> scheduler).
+
+    For ``n > 1`` the tokenizer sends one ``TokenizedRequest`` per sample,
+    with ids ``{parent_id}-{index}``; they share the prompt (and its cached
+    KV blocks) and report to the parent's stream under ``index``.
+    """
+
+    request_id: str
+    parent_id: str
+    index: int
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    request_class: str | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Stop a request early (client gone, deadline passed, stop string matched).
+
+    ``reason`` is ``"abort"`` or ``"stop"`` (a stop string matched; then the
+    request finishes normally with finish_reason ``stop``).
+    """
+
+    request_ids: tuple[str, ...]
+    reason: str = "abort"
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New token ids of one request after a step (scheduler -> detokenizer).
+
+    ``logprobs``: one entry per new token when the request asked for them:
+    ``(sampled_logprob, ((token_id, logprob), ...top-k))``.
+    ``finish_reason`` is set on the last delta: ``stop``, ``length``,
+    ``abort`` or ``error`` (then ``error`` holds the message).
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: tuple[Any, ...] | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a client's stream receives: new text of one sample (``index``).
+
+    ``text`` is the new text since the last output (never half a UTF-8
+    character, never a partial stop string). ``finish_reason`` is set on the
+    sample's last output (``error`` holds the message when it is ``error``).
+    ``token_ids`` are the tokens generated since the previous output, with
+    ``logprobs`` one entry per token when asked for. ``usage``-style counts
+    ride along (cumulative) so the API can build OpenAI ``usage`` objects.
+    """
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: tuple[Any, ...] | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestAccepted:
+    """First event on a stream: the prompt was tokenized and admitted."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """Terminal event on a stream: the request was refused or failed.
+
+    ``status`` is the HTTP status the API answers with (400 bad input, 429
+    overloaded, 503 not ready or draining, 500 a fault inside a step);
+    ``type``/``param``/``code`` follow OpenAI's error object.
+    """
+
+    request_id: str
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    retry_after: float | None = None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Sentinel that ends an actor's run loop."""
+
+    reason: str = "shutdown"
+
+
+StreamEvent = RequestAccepted | RequestOutput | RequestFailed
+
+
+@dataclass(frozen=True)
+class ExecuteStep:
+    """Run one model step (scheduler -> worker)."""
+
+    step_id: int
+    scheduler_output: Any  # kvserve.core.outputs.SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A finished model step (worker -> scheduler).
+
+    ``runner_output`` is a ``ModelRunnerOutput``, or None when the step
+    raised; then ``error`` describes the fault and every request of the step
+    fails while the engine goes on. ``start``/``end`` are monotonic seconds.
+    """
+
+    step_id: int
+    scheduler_output: Any
+    runner_output: Any | None
+    start: float
+    end: float
+    error: str | None = None

@@ -1,0 +1,53 @@
+"""StreamRegistry: the open client streams, shared by the actors that feed them."""
+
+from __future__ import annotations
+
+from kvserve.actors.messages import RequestFailed, StreamEvent
+from kvserve.actors.stream import RequestStream
+
+
+class StreamRegistry:
+    """Maps a client request id (the parent id for ``n > 1``) to its stream.
+
+    A stream is removed when it ends or is aborted; events for a removed
+    request are dropped, so actors never work for a client that left.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[str, RequestStream] = {}
+
+    def open(self, request_id: str, n: int) -> RequestStream:
+        """Create and register a stream. Raises ``ValueError`` on a duplicate id."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id, n)
+        self._streams[request_id] = stream
+        return stream
+
+    def is_open(self, request_id: str) -> bool:
+        """True while the client still waits for this request."""
+        return request_id in self._streams
+
+    def put(self, request_id: str, event: StreamEvent) -> None:
+        """Deliver an event; close the entry once the stream has ended."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        stream.put(event)
+        if stream.all_finished:
+            del self._streams[request_id]
+
+    def fail(self, event: RequestFailed) -> None:
+        """Deliver a terminal failure."""
+        self.put(event.request_id, event)
+
+    def close(self, request_id: str) -> RequestStream | None:
+        """Forget a stream (abort); returns it if it was open."""
+        return self._streams.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def ids(self) -> list[str]:
+        """Ids of the open streams."""
+        return list(self._streams)

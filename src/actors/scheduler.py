@@ -1,0 +1,135 @@
+"""SchedulerActor: the async shell around ``core.Scheduler``; one step in flight."""
+
+from __future__ import annotations
+
+from kvserve.actors.base import Actor
+from kvserve.actors.messages import (
+    AbortRequest,
+    ExecuteStep,
+    StepResult,
+    TokenDelta,
+    TokenizedRequest,
+)
+from kvserve.core.outputs import RequestUpdate, SchedulerOutput
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import Scheduler
+
+
+class SchedulerActor(Actor):
+    """Feeds the worker one step at a time and reports token deltas.
+
+    Its inbox takes ``TokenizedRequest`` (add), ``AbortRequest`` (finish
+    early) and ``StepResult`` (the worker finished a step). After draining
+    the inbox, if no step is in flight and work remains, it schedules the
+    next step: the batch is rebuilt after every forward pass (iteration-level
+    scheduling, Yu et al., Orca, OSDI 2022).
+    """
+
+    name = "scheduler"
+
+    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...],
+                 max_model_len: int) -> None:
+        super().__init__()
+        self.core = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.worker: Actor | None = None
+        self.detokenizer: Actor | None = None
+        self._in_flight = False
+        self.total_preemptions = 0
+
+    async def run(self) -> None:
+        """Drain the inbox, then launch a step if none is in flight."""
+        from kvserve.actors.messages import Stop
+
+        while True:
+            message = await self.inbox.get()
+            while True:
+                if isinstance(message, Stop):
+                    return
+                await self._dispatch(message)
+                if self.inbox.empty():
+                    break
+                message = self.inbox.get_nowait()
+            self._maybe_launch_step()
+
+    async def handle(self, message) -> None:
+        if isinstance(message, TokenizedRequest):
+            self._add(message)
+        elif isinstance(message, AbortRequest):
+            self._abort(message)
+        elif isinstance(message, StepResult):
+            self._on_step_result(message)
+        else:
+            raise TypeError(f"unexpected message {type(message).__name__}")
+
+    def _add(self, message: TokenizedRequest) -> None:
+        request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
+                          arrival_time=message.arrival_time, priority=message.priority,
+                          eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
+        self.core.add_request(request)
+        self.log.debug("request_queued", request_id=message.request_id,
+                       prompt_tokens=len(message.prompt_token_ids), priority=message.priority)
+
+    def _abort(self, message: AbortRequest) -> None:
+        status = (RequestStatus.FINISHED_STOPPED if message.reason == "stop"
+                  else RequestStatus.FINISHED_ABORTED)
+        updates = self.core.finish_requests(message.request_ids, status)
+        if message.reason != "stop":
+            self._emit(updates or [])
+
+    def _maybe_launch_step(self) -> None:
+        if self._in_flight or not self.core.has_unfinished_requests():
+            return
+        output = self.core.schedule()
+        self._report_scheduling(output)
+        if output.is_empty:
+            return
+        self._in_flight = True
+        assert self.worker is not None
+        self.worker.send(ExecuteStep(output.step_id, output))
+
+    def _report_scheduling(self, output: SchedulerOutput) -> None:
+        self._emit(output.rejected)
+        for event in output.preemptions:
+            self.total_preemptions += 1
+            self.log.warning(
+                f"Request {event.request_id} preempted (recompute): not enough KV cache space; "
+                f"total preemptions {self.total_preemptions}",
+                event_name="request_preempted", request_id=event.request_id, reason=event.reason,
+                num_blocks_freed=event.num_blocks_freed, total_preemptions=self.total_preemptions)
+
+    def _on_step_result(self, result: StepResult) -> None:
+        self._in_flight = False
+        output: SchedulerOutput = result.scheduler_output
+        if result.error is not None:
+            ids = tuple(r.request_id for r in output.scheduled)
+            updates = self.core.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+            self._emit(updates, error=result.error)
+            return
+        runner_output = result.runner_output
+        updates = self.core.update_from_output(output, runner_output.sampled)
+        self._emit(updates, runner_output.logprobs)
+
+    def _emit(self, updates: list[RequestUpdate] | tuple[RequestUpdate, ...],
+              logprobs: dict | None = None, error: str | None = None) -> None:
+        assert self.detokenizer is not None
+        for update in updates:
+            if not update.new_token_ids and update.finish_reason is None:
+                continue
+            entries = (logprobs or {}).get(update.request_id)
+            if entries is not None:
+                entries = tuple(entries[: len(update.new_token_ids)])
+            reason = update.finish_reason
+            self.detokenizer.send(TokenDelta(
+                request_id=update.request_id, new_token_ids=update.new_token_ids,
+                finish_reason=None if reason is None else str(reason),
+                num_prompt_tokens=update.num_prompt_tokens,
+                num_cached_tokens=max(update.num_cached_tokens, 0),
+                logprobs=entries, error=update.error or (error if reason is not None else None)))
+            if reason is not None:
+                self.log.info("request_finished", request_id=update.request_id,
+                              finish_reason=str(reason), prompt_tokens=update.num_prompt_tokens,
+                              output_tokens=update.num_output_tokens,
+                              cached_tokens=max(update.num_cached_tokens, 0),
+                              preemptions=update.num_preemptions)

@@ -1,0 +1,113 @@
+"""The Starlette application: OpenAI-compatible routes, auth and errors.
+
+Routes (OpenAI API reference, https://platform.openai.com/docs/api-reference):
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+and ``GET /health`` (200 when the engine is ready, else 503).
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Sequence
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvserve.actors.stream import EngineClient
+from kvserve.api.errors import EXCEPTION_HANDLERS, error_body
+from kvserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.api.serving import (
+    RequestHeaders,
+    parse_model,
+    prepare,
+    read_json_body,
+    run_generation,
+    served_model,
+)
+from kvserve.config import ServerConfig
+
+#: Paths that never need the API key (probes and scrapers).
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+
+
+class BearerAuth:
+    """ASGI middleware: require ``Authorization: Bearer <api_key>``.
+
+    Compares with ``hmac.compare_digest``; answers 401 with OpenAI's
+    ``invalid_api_key`` error otherwise. ``PUBLIC_PATHS`` are exempt.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or self._ok(scope):
+            await self.app(scope, receive, send)
+            return
+        body = error_body("Incorrect API key provided.", code="invalid_api_key")
+        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+    def _ok(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                return hmac.compare_digest(value, self.expected)
+        return False
+
+
+def build_app(engine: EngineClient, server_config: ServerConfig, *,
+              extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
+    """Build the HTTP app around ``engine``.
+
+    ``extra_routes`` (for example ``/metrics``) are added after the OpenAI
+    routes. With ``server_config.api_key`` set, every path except ``/health``
+    and ``/metrics`` needs the bearer key.
+    """
+    created = int(time.time())
+
+    async def chat_completions(request: Request) -> Response:
+        """``POST /v1/chat/completions`` (OpenAI chat API)."""
+        return await _generate(request, "chat", ChatCompletionRequest)
+
+    async def completions(request: Request) -> Response:
+        """``POST /v1/completions`` (OpenAI legacy completions API)."""
+        return await _generate(request, "completion", CompletionRequest)
+
+    async def _generate(request: Request, kind: str, model_cls: type) -> Response:
+        data = await read_json_body(request, server_config.max_request_bytes)
+        body = parse_model(model_cls, data)
+        prepared = prepare(kind, body, RequestHeaders.parse(request), engine, server_config)
+        return await run_generation(request, engine, prepared)
+
+    async def models(request: Request) -> Response:
+        """``GET /v1/models``: the one served model, with ``max_model_len``."""
+        card = {"id": served_model(engine, server_config), "object": "model",
+                "created": created, "owned_by": "kvserve", "root": engine.model_name,
+                "max_model_len": engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        """``GET /health``: 200 when the engine is ready, else 503."""
+        if engine.is_ready():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(error_body("The engine is not ready", "service_unavailable"),
+                            status_code=503)
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        *extra_routes,
+    ]
+    app = Starlette(routes=routes, exception_handlers=dict(EXCEPTION_HANDLERS))
+    app.state.engine = engine
+    app.state.server_config = server_config
+    if server_config.api_key:
+        app.add_middleware(BearerAuth, api_key=server_config.api_key)
+    return app

@@ -1,0 +1,396 @@
+"""OpenAI request models (pydantic v2) and response/chunk builders.
+
+Formats follow the OpenAI API reference:
+
+- Chat: https://platform.openai.com/docs/api-reference/chat/create, the
+  ``chat.completion`` object (/chat/object) and the ``chat.completion.chunk``
+  object (/chat/streaming).
+- Completions (legacy): https://platform.openai.com/docs/api-reference/completions
+  (the ``text_completion`` object, also used for its stream chunks).
+
+Requests are validated in strict mode (no ``"1"`` -> ``1`` coercion), so a
+wrong type is a 400 that names the field. Value ranges are checked once, by
+``SamplingParams``. Fields OpenAI defines but kvserve does not implement
+(``tools``, ``response_format``, ...) are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvserve.actors.messages import RequestOutput
+from kvserve.core.sampling_params import SamplingParams
+
+TokenText = Callable[[int], str]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Model):
+    """A content part ``{"type": "text", "text": ...}`` (only text is supported)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Model):
+    """One chat message: ``role`` and ``content`` (a string or text parts)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The message as the chat template expects it (content as one string).
+
+        Text parts are joined with newlines, as vLLM does.
+        """
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class StreamOptions(_Model):
+    """``stream_options``: ``include_usage`` adds one final usage-only chunk."""
+
+    include_usage: bool = False
+
+
+class _CommonRequest(_Model):
+    """Fields shared by chat and completions (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        """True when the stream must end with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``SamplingParams``; unset fields keep its defaults."""
+        kwargs: dict[str, Any] = {
+            "n": self.n, "seed": self.seed, "min_tokens": self.min_tokens,
+            "stop": self.stop or (), "stop_token_ids": self.stop_token_ids or (),
+            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": _logit_bias(self.logit_bias),
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        return kwargs
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings); make them ints."""
+    if not bias:
+        return None
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError as exc:
+        raise ValueError("logit_bias keys must be token ids (integers)") from exc
+
+
+class ChatCompletionRequest(_CommonRequest):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        """Build ``SamplingParams``; raises ``ValueError`` for bad values.
+
+        ``max_completion_tokens`` wins over the deprecated ``max_tokens``;
+        unset means "up to the context length". ``top_logprobs`` needs
+        ``logprobs: true`` (as OpenAI requires).
+        """
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                              **self._sampling_kwargs())
+
+
+class CompletionRequest(_CommonRequest):
+    """Body of ``POST /v1/completions``.
+
+    ``prompt`` is a string, a list holding one string, a list of token ids,
+    or a list holding one list of token ids (batched prompts are refused).
+    ``max_tokens`` defaults to 16 as in OpenAI's reference.
+    """
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompt_input(self) -> tuple[str | None, tuple[int, ...] | None]:
+        """``(prompt_text, prompt_token_ids)``, exactly one set; ``ValueError``
+        names ``prompt`` when it is a batch or empty."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError("prompt: batched prompts are not supported; "
+                                 "send one prompt per request")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt, None
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return None, tuple(prompt)
+
+    def sampling_params(self) -> SamplingParams:
+        """Build ``SamplingParams``; raises ``ValueError`` for bad values."""
+        if self.echo:
+            raise ValueError("echo is not supported")
+        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
+                              **self._sampling_kwargs())
+
+
+_FIELD_NAMES: frozenset[str] = frozenset().union(
+    *(model.model_fields for model in (ChatCompletionRequest, CompletionRequest,
+                                       ChatMessage, TextPart, StreamOptions)))
+
+
+def validation_error_param(exc: ValidationError) -> tuple[str | None, str]:
+    """``(param, message)`` for a pydantic ``ValidationError``.
+
+    ``param`` is the field path such as ``messages.0.content``; pydantic's
+    union-member tags (``str``, ``list[int]``) and dict keys are dropped. Of
+    several errors (one per union member) the most specific path wins.
+    """
+    candidates = [(_field_path(error["loc"]), error)
+                  for error in exc.errors(include_url=False)]
+    param, error = max(candidates, key=lambda item: len(item[0].split(".")) if item[0] else 0)
+    if error["type"] == "missing":
+        return param, f"Missing required parameter: '{param}'."
+    return param, f"{param}: {error['msg']}" if param else error["msg"]
+
+
+def _field_path(loc: Sequence[int | str]) -> str | None:
+    parts: list[str] = []
+    for part in loc:
+        if isinstance(part, int) or part in _FIELD_NAMES:
+            parts.append(str(part))
+    return ".".join(parts) or None
+
+
+def value_error_param(message: str, fields: Sequence[str]) -> str | None:
+    """Guess the request field a ``SamplingParams`` error is about.
+
+    Its messages start with the field's name (``"top_p must be in ..."``).
+    """
+    head = message.split(" ", 1)[0].rstrip(":")
+    return head if head in fields else None
+
+
+# --------------------------------------------------------------------------- responses
+
+
+@dataclass
+class ChoiceState:
+    """What the API accumulated for one choice (``index``)."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[Any] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text_offset: int = 0
+
+    def add(self, output: RequestOutput) -> None:
+        """Fold one ``RequestOutput`` of this choice in."""
+        self.text.append(output.text)
+        self.token_ids.extend(output.token_ids)
+        if output.logprobs:
+            self.logprobs.extend(output.logprobs)
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+        self.num_output_tokens = max(self.num_output_tokens, output.num_output_tokens,
+                                     len(self.token_ids))
+        self.num_prompt_tokens = max(self.num_prompt_tokens, output.num_prompt_tokens)
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+
+
+def usage_object(choices: Sequence[ChoiceState], num_prompt_tokens: int) -> dict[str, Any]:
+    """OpenAI ``usage``: prompt, completion (all choices) and total tokens,
+    plus ``prompt_tokens_details.cached_tokens`` (prefix-cache hits)."""
+    prompt = max([num_prompt_tokens, *(c.num_prompt_tokens for c in choices)])
+    completion = sum(c.num_output_tokens for c in choices)
+    cached = max([0, *(c.num_cached_tokens for c in choices)])
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _token_entry(token_text: TokenText, token_id: int, logprob: float) -> dict[str, Any]:
+    token = token_text(token_id)
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(entries: Sequence[Any], token_ids: Sequence[int],
+                  token_text: TokenText, top_n: int) -> dict[str, Any]:
+    """Chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
+
+    ``entries`` are the engine's ``(sampled_logprob, ((token_id, logprob), ...))``,
+    one per token of ``token_ids``; at most ``top_n`` alternatives are listed.
+    """
+    content = []
+    for token_id, (sampled, top) in zip(token_ids, entries):
+        entry = _token_entry(token_text, token_id, sampled)
+        entry["top_logprobs"] = [_token_entry(token_text, tid, lp) for tid, lp in top[:top_n]]
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries: Sequence[Any], token_ids: Sequence[int],
+                        token_text: TokenText, start_offset: int) -> dict[str, Any]:
+    """Completions ``logprobs``: parallel lists ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (one ``{token: logprob}`` dict per token) and
+    ``text_offset`` (character offset of each token in the completion text)."""
+    result: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                              "text_offset": []}
+    offset = start_offset
+    for token_id, (sampled, top) in zip(token_ids, entries):
+        token = token_text(token_id)
+        result["tokens"].append(token)
+        result["token_logprobs"].append(sampled)
+        result["top_logprobs"].append({token_text(tid): lp for tid, lp in top})
+        result["text_offset"].append(offset)
+        offset += len(token)
+    return result
+
+
+@dataclass
+class Renderer:
+    """Builds one endpoint's response objects (chat or completions).
+
+    ``kind`` is ``"chat"`` or ``"completion"``; ``logprobs_top`` is the
+    number of alternatives to list (None: no logprobs requested).
+    """
+
+    kind: Literal["chat", "completion"]
+    request_id: str
+    model: str
+    token_text: TokenText
+    logprobs_top: int | None = None
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object_name(self) -> str:
+        """``chat.completion`` or ``text_completion``."""
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    def _envelope(self, object_name: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": object_name, "created": self.created,
+                "model": self.model}
+
+    def _logprobs(self, entries: Sequence[Any], token_ids: Sequence[int],
+                  offset: int) -> dict[str, Any] | None:
+        if self.logprobs_top is None or not entries:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(entries, token_ids, self.token_text, self.logprobs_top)
+        return completion_logprobs(entries, token_ids, self.token_text, offset)
+
+    def response(self, choices: Sequence[ChoiceState], num_prompt_tokens: int) -> dict[str, Any]:
+        """The non-streaming ``chat.completion`` / ``text_completion`` object."""
+        body = self._envelope(self.object_name)
+        body["choices"] = [self._full_choice(c) for c in sorted(choices, key=lambda c: c.index)]
+        body["usage"] = usage_object(choices, num_prompt_tokens)
+        return body
+
+    def _full_choice(self, choice: ChoiceState) -> dict[str, Any]:
+        text = "".join(choice.text)
+        logprobs = self._logprobs(choice.logprobs, choice.token_ids, 0)
+        if self.kind == "chat" and self.logprobs_top is not None and logprobs is None:
+            logprobs = {"content": [], "refusal": None}
+        out: dict[str, Any] = {"index": choice.index}
+        if self.kind == "chat":
+            out["message"] = {"role": "assistant", "content": text, "refusal": None}
+        else:
+            out["text"] = text
+        out["logprobs"] = logprobs
+        out["finish_reason"] = choice.finish_reason
+        return out
+
+    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        """Wrap one choice delta into a stream chunk."""
+        name = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        body = self._envelope(name)
+        body["choices"] = [choice]
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        """Chat only: the first chunk of a choice, ``delta: {role, content: ""}``."""
+        return self.chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                           "logprobs": None, "finish_reason": None})
+
+    def delta_chunk(self, state: ChoiceState, output: RequestOutput) -> dict[str, Any] | None:
+        """The chunk for one ``RequestOutput`` (already folded into ``state``),
+        or None when it carries no text, no logprobs and no finish_reason."""
+        logprobs = self._logprobs(output.logprobs or (), output.token_ids, state.text_offset)
+        state.text_offset += len(output.text)
+        if not output.text and logprobs is None and output.finish_reason is None:
+            return None
+        choice: dict[str, Any] = {"index": output.index}
+        if self.kind == "chat":
+            choice["delta"] = {"content": output.text} if output.text else {}
+        else:
+            choice["text"] = output.text
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = output.finish_reason
+        return self.chunk(choice)
+
+    def usage_chunk(self, choices: Sequence[ChoiceState], num_prompt_tokens: int) -> dict[str, Any]:
+        """The final ``include_usage`` chunk: ``choices: []`` plus ``usage``."""
+        name = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        body = self._envelope(name)
+        body["choices"] = []
+        body["usage"] = usage_object(choices, num_prompt_tokens)
+        return body

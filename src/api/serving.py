@@ -1,0 +1,419 @@
+"""Request handling shared by the chat and completions routes.
+
+One request goes: read the body (size limit, JSON) -> validate (pydantic) ->
+``SamplingParams`` -> ``engine.generate`` -> wait for the first event
+(``RequestAccepted`` or ``RequestFailed``) -> answer in JSON or stream SSE.
+Whenever the request ends before its stream finished (client gone, error),
+``engine.abort`` is called.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import structlog
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from kvserve.actors.messages import (
+    GenerateRequest,
+    RequestAccepted,
+    RequestFailed,
+    RequestOutput,
+    StreamEvent,
+)
+from kvserve.actors.stream import EngineClient, RequestStream
+from kvserve.api.errors import APIError, error_body, from_failed
+from kvserve.api.protocol import (
+    ChatCompletionRequest,
+    ChoiceState,
+    CompletionRequest,
+    Renderer,
+    TokenText,
+    validation_error_param,
+    value_error_param,
+)
+from kvserve.config import ServerConfig
+from kvserve.core.sampling_params import SamplingParams
+
+log = structlog.get_logger("kvserve.api")
+
+T = TypeVar("T")
+ModelT = TypeVar("ModelT", ChatCompletionRequest, CompletionRequest)
+
+#: Status answered (to nobody) when the client left before the response.
+CLIENT_CLOSED = 499
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+# --------------------------------------------------------------------------- input
+
+
+async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
+    """Read and decode a JSON object body.
+
+    Raises ``APIError``: 415 for a non-JSON content type, 413 over
+    ``max_bytes`` (checked on ``Content-Length`` and while reading), 400 for
+    malformed JSON or a body that is not a JSON object.
+    """
+    _check_content_type(request)
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > max_bytes):
+        raise _too_large(max_bytes) if length.isdigit() else APIError(400, "Invalid Content-Length")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise _too_large(max_bytes)
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"We could not parse the JSON body of your request: {exc}",
+                       code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def _check_content_type(request: Request) -> None:
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        return  # lenient: curl -d without -H still works if the body is JSON
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"Unsupported Content-Type {media!r}; send application/json",
+                       code="unsupported_media_type")
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"Request body is larger than the limit of {max_bytes} bytes",
+                    code="request_too_large")
+
+
+def parse_model(model_cls: type[ModelT], data: dict[str, Any]) -> ModelT:
+    """Validate ``data``; a ``ValidationError`` becomes a 400 naming the field."""
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        param, message = validation_error_param(exc)
+        raise APIError(400, message, param=param) from exc
+
+
+@dataclass(frozen=True)
+class RequestHeaders:
+    """What kvserve reads from the headers: id, priority and class."""
+
+    request_id: str | None
+    priority: int | None
+    request_class: str | None
+
+    @classmethod
+    def parse(cls, request: Request) -> RequestHeaders:
+        """Read ``X-Request-Id``, ``X-Priority`` (an int) and ``X-Request-Class``."""
+        headers = request.headers
+        request_id = headers.get("x-request-id")
+        if request_id is not None and not _REQUEST_ID_RE.match(request_id):
+            raise APIError(400, "X-Request-Id must be 1-128 characters of "
+                           "[A-Za-z0-9._:-]", param="X-Request-Id")
+        priority = headers.get("x-priority")
+        if priority is not None:
+            try:
+                priority = int(priority)
+            except ValueError:
+                raise APIError(400, f"X-Priority must be an integer, got {priority!r}",
+                               param="X-Priority") from None
+        return cls(request_id, priority, headers.get("x-request-class"))
+
+
+def sampling_params_or_400(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    """``body.sampling_params()``, its ``ValueError`` as a 400 naming the field."""
+    try:
+        return body.sampling_params()
+    except ValueError as exc:
+        message = str(exc)
+        param = value_error_param(message, tuple(type(body).model_fields))
+        if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+            param = "max_completion_tokens"
+        if param == "logprobs" and getattr(body, "top_logprobs", None) is not None:
+            param = "top_logprobs"
+        raise APIError(400, message, param=param) from exc
+
+
+def token_text_for(engine: EngineClient) -> TokenText:
+    """How to show a token id as text in logprobs.
+
+    Uses ``engine.token_text(id)`` when the engine has it, else
+    ``engine.tokenizer.decode([id], skip_special_tokens=False)``, else
+    ``"token_id:<id>"`` (vLLM's spelling for untokenizable ids).
+    """
+    token_text = getattr(engine, "token_text", None)
+    if callable(token_text):
+        return token_text
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is not None:
+        return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+    return lambda token_id: f"token_id:{token_id}"
+
+
+# --------------------------------------------------------------------------- disconnects
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Return once the ASGI server reports ``http.disconnect``."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+    """Run ``work()`` while watching for the client leaving.
+
+    Returns ``(True, None)`` when the client disconnected first (``work`` is
+    cancelled), else ``(False, result)``; exceptions of ``work`` propagate
+    unwrapped. Call only after the body was read.
+    """
+    outcome: list[tuple[bool, Any]] = []
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            await wait_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        try:
+            outcome.append((True, await work()))
+        except Exception as exc:  # re-raised below, outside the task group
+            outcome.append((False, exc))
+        group.cancel_scope.cancel()
+    if not outcome:
+        return True, None
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return False, value
+
+
+class EventStreamResponse(Response):
+    """A ``text/event-stream`` response that always watches for disconnects.
+
+    Unlike Starlette's ``StreamingResponse`` it listens for
+    ``http.disconnect`` whatever the server's ASGI spec version, and it
+    always awaits ``on_close`` (shielded from cancellation) when the stream
+    ends, however it ends.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str] | None = None) -> None:
+        self.events = events
+        self.on_close = on_close
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                           **(headers or {})})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as group:
+
+            async def watch() -> None:
+                await wait_for_disconnect(receive)
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            try:
+                await self._send_all(send)
+            except OSError:
+                pass  # the client went away while we were sending
+            finally:
+                group.cancel_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    await _aclose(self.events)
+                    await self.on_close()
+
+    async def _send_all(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for chunk in self.events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _aclose(iterator: AsyncIterator[bytes]) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>\\n\\n``."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@dataclass
+class Generation:
+    """One admitted request on its way out: the stream and how to render it."""
+
+    engine: EngineClient
+    stream: RequestStream
+    renderer: Renderer
+    accepted: RequestAccepted
+    n: int
+
+    async def abort_unless_finished(self) -> None:
+        """Abort the request in the engine unless its stream already ended."""
+        await abort_unless_finished(self.engine, self.stream)
+
+    async def collect(self) -> dict[str, Any]:
+        """Read the whole stream; the non-streaming response object.
+
+        A ``RequestFailed`` mid-way raises a 5xx ``APIError``.
+        """
+        choices = {i: ChoiceState(i) for i in range(self.n)}
+        async for event in self.stream:
+            if isinstance(event, RequestFailed):
+                raise from_failed(event, status=max(event.status, 500))
+            if isinstance(event, RequestOutput):
+                choices.setdefault(event.index, ChoiceState(event.index)).add(event)
+        return self.renderer.response(list(choices.values()), len(self.accepted.prompt_token_ids))
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The SSE body: role chunks (chat), deltas, usage chunk, ``[DONE]``.
+
+        A ``RequestFailed`` mid-stream is sent as ``data: {"error": ...}``.
+        """
+        renderer = self.renderer
+        choices = {i: ChoiceState(i) for i in range(self.n)}
+        if renderer.kind == "chat":
+            for index in range(self.n):
+                yield sse(renderer.role_chunk(index))
+        async for event in self.stream:
+            if isinstance(event, RequestFailed):
+                yield sse(error_body(event.message, event.type, event.param, event.code))
+                break
+            if isinstance(event, RequestOutput):
+                state = choices.setdefault(event.index, ChoiceState(event.index))
+                state.add(event)
+                chunk = renderer.delta_chunk(state, event)
+                if chunk is not None:
+                    yield sse(chunk)
+        else:
+            if renderer.include_usage:
+                yield sse(renderer.usage_chunk(list(choices.values()),
+                                               len(self.accepted.prompt_token_ids)))
+        yield sse("[DONE]")
+
+
+async def _first_event(stream: RequestStream) -> StreamEvent:
+    """The stream's first event (normally ``RequestAccepted``)."""
+    async for event in stream:
+        return event
+    raise APIError(500, "The engine closed the stream without an answer", type="server_error")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request ready for the engine, plus how to render the answer."""
+
+    generate: GenerateRequest
+    renderer: Renderer
+    stream: bool
+
+
+async def run_generation(request: Request, engine: EngineClient, prepared: Prepared) -> Response:
+    """Submit to the engine and answer: an error, a JSON body or an SSE stream.
+
+    The engine is told to abort whenever this returns (or raises) before the
+    stream finished, except when the stream is handed to the SSE response,
+    which then owns that duty.
+    """
+    stream = engine.generate(prepared.generate)
+    headers = {"X-Request-Id": prepared.generate.request_id}
+    handed_off = False
+    try:
+        gone, first = await unless_disconnected(request.receive, lambda: _first_event(stream))
+        if gone:
+            return Response(status_code=CLIENT_CLOSED)
+        if isinstance(first, RequestFailed):
+            raise from_failed(first)
+        if not isinstance(first, RequestAccepted):
+            raise APIError(500, "The engine sent output before accepting the request",
+                           type="server_error")
+        generation = Generation(engine, stream, prepared.renderer, first,
+                                prepared.generate.sampling_params.n)
+        if prepared.stream:
+            handed_off = True
+            return EventStreamResponse(generation.events(), generation.abort_unless_finished,
+                                       headers=headers)
+        gone, body = await unless_disconnected(request.receive, generation.collect)
+        if gone:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(body, headers=headers)
+    finally:
+        if not handed_off:
+            with anyio.CancelScope(shield=True):
+                await abort_unless_finished(engine, stream)
+
+
+async def abort_unless_finished(engine: EngineClient, stream: RequestStream) -> None:
+    """Tell the engine to drop a request whose stream has not ended
+    (client gone, error while answering); logs ``api_request_aborted``."""
+    if stream.all_finished:
+        return
+    log.info("api_request_aborted", request_id=stream.request_id)
+    await engine.abort(stream.request_id)
+
+
+def new_request_id(prefix: str) -> str:
+    """``<prefix>-<uuid4 hex>``, e.g. ``chatcmpl-3f2a...``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def served_model(engine: EngineClient, config: ServerConfig) -> str:
+    """The model name clients see (``--served-model-name`` or the engine's)."""
+    return config.served_model_name or engine.model_name
+
+
+def check_model(name: str | None, engine: EngineClient, config: ServerConfig) -> None:
+    """404 ``model_not_found`` unless ``name`` is unset or a name we serve."""
+    if name is None or name in (engine.model_name, served_model(engine, config)):
+        return
+    raise APIError(404, f"The model `{name}` does not exist.", param="model",
+                   code="model_not_found")
+
+
+def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers: RequestHeaders,
+            engine: EngineClient, config: ServerConfig) -> Prepared:
+    """Turn a validated body and its headers into a ``GenerateRequest`` and renderer."""
+    check_model(body.model, engine, config)
+    params = sampling_params_or_400(body)
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    request_id = headers.request_id or new_request_id(prefix)
+    inputs: dict[str, Any]
+    if isinstance(body, ChatCompletionRequest):
+        inputs = {"messages": tuple(m.to_dict() for m in body.messages)}
+    else:
+        try:
+            text, token_ids = body.prompt_input()
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt") from exc
+        inputs = {"prompt": text, "prompt_token_ids": token_ids}
+    priority = headers.priority if headers.priority is not None else body.priority
+    generate = GenerateRequest(request_id=request_id, sampling_params=params,
+                               arrival_time=time.monotonic(), priority=priority,
+                               request_class=headers.request_class, **inputs)
+    renderer = Renderer(kind, request_id, served_model(engine, config), token_text_for(engine),
+                        logprobs_top=params.logprobs, include_usage=body.include_usage)
+    return Prepared(generate, renderer, body.stream)

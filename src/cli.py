@@ -1,0 +1,146 @@
+"""Command line: ``kvserve serve``, ``kvserve generate``, ``kvserve fetch-model``.
+
+The only module that turns flags into config objects (``kvserve.config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+import uuid
+
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig, parse_size
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="local Hugging Face-layout Llama-family checkpoint folder "
+                        "(default: SmolLM2-135M-Instruct, fetched and converted on first use)")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--kv-cache-memory", default="1GiB",
+                   help="bytes for KV blocks on the CPU backend, e.g. 512MiB, 1GiB")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", help="turn automatic prefix caching off")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step (prefill chunks + decodes)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--logprobs-mode", default="processed_logprobs",
+                   choices=["processed_logprobs", "raw_logprobs", "raw_logits"])
+    p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    p.add_argument("--log-format", default="json", choices=["json", "console"])
+    p.add_argument("--log-level", default="info")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build the ``EngineConfig``; fetches the default model when ``--model`` is absent."""
+    model = args.model
+    if model is None:
+        from kvserve.model.default_model import ensure_default_model
+        model = str(ensure_default_model())
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len or 1 << 30, policy=args.scheduling_policy)
+    cache = CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
+                        enable_prefix_caching=args.enable_prefix_caching)
+    return EngineConfig(model=model, backend=args.backend, cache=cache, scheduler=scheduler,
+                        logprobs_mode=args.logprobs_mode, seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvserve`` argument parser with its sub-commands."""
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' (or set KVSERVE_API_KEY)")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-request-bytes", type=int, default=1024 * 1024)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt, in-process")
+    _add_engine_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--raw", action="store_true", help="no chat template: a plain completion")
+    sub.add_parser("fetch-model", help="fetch and convert the default model; print its folder")
+    return parser
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import os
+
+    import uvicorn
+
+    from kvserve.api.app import build_app
+    from kvserve.engine import AsyncEngine
+
+    engine = await AsyncEngine.start(engine_config_from_args(args), args.served_model_name)
+    server_config = ServerConfig(host=args.host, port=args.port,
+                                 api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"),
+                                 served_model_name=args.served_model_name,
+                                 max_request_bytes=args.max_request_bytes)
+    app = build_app(engine, server_config)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
+                            access_log=False, timeout_graceful_shutdown=5)
+    try:
+        await uvicorn.Server(config).serve()
+    finally:
+        await engine.shutdown()
+
+
+async def _generate(args: argparse.Namespace) -> None:
+    from kvserve.actors.messages import GenerateRequest, RequestFailed, RequestOutput
+    from kvserve.core.sampling_params import SamplingParams
+    from kvserve.engine import AsyncEngine
+
+    engine = await AsyncEngine.start(engine_config_from_args(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    request = GenerateRequest(
+        request_id=uuid.uuid4().hex, sampling_params=params, arrival_time=time.monotonic(),
+        prompt=args.prompt if args.raw else None,
+        messages=None if args.raw else ({"role": "user", "content": args.prompt},))
+    try:
+        async for event in engine.generate(request):
+            if isinstance(event, RequestFailed):
+                print(f"error: {event.message}", file=sys.stderr)
+            elif isinstance(event, RequestOutput):
+                print(event.text, end="", flush=True)
+        print()
+    finally:
+        await engine.shutdown()
+
+
+def _run(coro) -> None:
+    try:
+        import uvloop
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvserve`` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    from kvserve.log import configure_logging
+
+    configure_logging(getattr(args, "log_format", "json"), getattr(args, "log_level", "info"))
+    if args.command == "fetch-model":
+        from kvserve.model.default_model import ensure_default_model
+        print(ensure_default_model())
+    elif args.command == "serve":
+        _run(_serve(args))
+    elif args.command == "generate":
+        _run(_generate(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

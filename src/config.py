@@ -1,0 +1,150 @@
+"""Engine configuration: frozen dataclasses, and the one place that parses sizes.
+
+Every other module receives these objects; none reads the CLI or the
+environment itself (``kvserve.cli`` builds them from ``argparse``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "raw_logits")
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a memory size such as ``"1GiB"``, ``"512MiB"``, ``"2G"`` or ``1024``.
+
+    Binary suffixes (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones
+    (K, M, G, T, with or without a trailing B) powers of 1000, as in vLLM's
+    ``--kv-cache-memory``. Returns bytes (int). Raises ``ValueError`` on
+    anything else.
+    """
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must be >= 0, got {text}")
+        return text
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 512MiB, 1GiB, 2G")
+    number, unit = match.groups()
+    unit = (unit or "").lower().rstrip("b")
+    return int(float(number) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family checkpoint, read from its ``config.json``.
+
+    Field names follow Hugging Face ``LlamaConfig``; ``eos_token_ids`` is a
+    tuple because some checkpoints list several.
+    """
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """Bytes of K and V for one token over all layers:
+        2 x layers x kv_heads x head_dim x dtype bytes (vLLM's sizing rule)."""
+        return (2 * self.num_hidden_layers * self.num_key_value_heads
+                * self.head_dim * dtype_bytes)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache settings.
+
+    ``kv_cache_memory`` is the byte budget for KV blocks on the CPU backend;
+    ``num_blocks`` is filled in by the engine after it has measured memory.
+    """
+
+    block_size: int = 16
+    kv_cache_memory: int = 1024**3
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits and policy.
+
+    ``max_num_batched_tokens`` is the per-step token budget (prefill chunks
+    plus decodes), ``max_num_seqs`` the most sequences in one step, and
+    ``max_model_len`` the longest prompt + output a request may reach.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+    policy: str = "fcfs"
+    priority_aging_seconds: float | None = None
+    max_waiting_requests: int | None = None
+    max_waiting_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP server settings (``kvserve serve``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_request_bytes: int = 1024 * 1024
+    log_prompts: bool = False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs: model path, backend, cache and scheduler.
+
+    ``logprobs_mode`` follows vLLM's ``--logprobs-mode``: ``processed_logprobs``
+    (log-softmax after penalties and temperature, the OpenAI reference's
+    definition; the default), ``raw_logprobs`` (log-softmax of the raw
+    logits) or ``raw_logits`` (the logits themselves, to compare against
+    reference outputs).
+    """
+
+    model: str
+    backend: str = "cpu"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_logprobs: int = 20
+    logprobs_mode: str = "processed_logprobs"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("cpu", "cuda"):
+            raise ValueError(f"backend must be cpu or cuda, got {self.backend!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}")

@@ -1,0 +1,457 @@
+"""Paged KV-cache bookkeeping with automatic prefix caching.
+
+The KV cache is ``num_blocks`` fixed-size blocks of ``block_size`` tokens
+(PagedAttention, Kwon et al. 2023). This module only tracks *which* block
+holds what; the tensors live in the model runner. Design after vLLM v1's
+``BlockPool`` / ``KVCacheManager`` (docs: "Automatic Prefix Caching"):
+
+- Every block has a reference count (the number of requests whose block
+  table holds it). A block with ref count 0 is *free*; if it still carries a
+  block hash it is *cached-free*: its K/V stay valid and a later request with
+  the same prefix can take it back (``touch``) until it is evicted.
+- Free blocks sit in one queue ordered for eviction: ``get_new_blocks`` takes
+  from the head (least recently freed). A request's blocks are freed in
+  reverse order, so its tail blocks (the least shareable) are evicted before
+  its head blocks. Unlike vLLM, freed blocks that carry *no* hash go to the
+  head of the queue: they hold nothing reusable, so they should be reused
+  before any cached block is evicted.
+- All blocks are allocatable; there is no reserved "null" block (block 0 is
+  an ordinary block), as we never need a placeholder block id.
+
+Counts are in blocks unless named ``*_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .block_hash import content_hash, hash_request_blocks
+from .request import Request
+
+
+class KVCacheBlock:
+    """One KV block's metadata: id, reference count, prefix-cache hash, and the
+    links of the free queue (None while the block is not in it)."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "content_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.content_hash: bytes | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        tag = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={tag})"
+
+
+class FreeBlockQueue:
+    """Doubly-linked list of free blocks with O(1) push at either end, pop from
+    the head, and removal from the middle (when a cached free block is hit)."""
+
+    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels, never handed out
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self):
+        node = self._head.next_free
+        while node is not self._tail:
+            yield node
+            node = node.next_free
+
+    def _insert_after(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:
+        if block.prev_free is not None or block.next_free is not None:
+            raise RuntimeError(f"{block} is already in the free queue")
+        nxt = prev.next_free
+        block.prev_free, block.next_free = prev, nxt
+        prev.next_free = block
+        nxt.prev_free = block
+        self._len += 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the tail (evicted last)."""
+        self._insert_after(self._tail.prev_free, block)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the head (reused first)."""
+        self._insert_after(self._head, block)
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink ``block``; raises ``RuntimeError`` if it is not in the queue."""
+        if block.prev_free is None or block.next_free is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+    def popleft(self) -> KVCacheBlock:
+        """Remove and return the head block; raises ``IndexError`` when empty."""
+        if self._len == 0:
+            raise IndexError("no free blocks")
+        block = self._head.next_free
+        self.remove(block)
+        return block
+
+
+class BlockPool:
+    """All KV blocks, their reference counts, the free queue and the
+    ``block hash -> block`` index of cached blocks.
+
+    ``enable_caching=False`` turns every hash registration into a no-op.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVCacheBlock] = {}
+        # Secondary index for a future cache-miss explainer: position-independent
+        # content hash -> ids of cached blocks with that content.
+        self.content_index: dict[bytes, set[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0 (plain free and cached-free)."""
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction (0..1) of blocks held by at least one request."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        """The block registered under ``block_hash`` (free or in use), or None."""
+        return self.cached.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the head of the free queue, evicting
+        their cached hashes; each returned block has ref count 1.
+        Raises ``ValueError`` when fewer blocks are free."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} blocks, "
+                             f"only {self.num_free_blocks} free")
+        new_blocks = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        if block.content_hash is not None:
+            ids = self.content_index.get(block.content_hash)
+            if ids is not None:
+                ids.discard(block.block_id)
+                if not ids:
+                    del self.content_index[block.content_hash]
+        block.block_hash = block.content_hash = None
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add one reference to each block (a prefix-cache hit), taking a
+        cached-free block out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block, in the given order (first =
+        evicted first). Blocks reaching 0 join the free queue: cached ones at
+        the tail, uncached ones at the head. Raises ``RuntimeError`` on a
+        double free (ref count already 0)."""
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes,
+                         block_content_hash: bytes | None = None) -> bool:
+        """Register a full, computed ``block`` under ``block_hash``.
+
+        Returns True if registered (or already registered under that hash);
+        False when caching is off or another block already holds that hash
+        (duplicate content computed twice: the first copy stays the cached one
+        and this block stays unhashed). Raises ``ValueError`` if the block
+        already carries a different hash.
+        """
+        if not self.enable_caching:
+            return False
+        if block.block_hash is not None:
+            if block.block_hash != block_hash:
+                raise ValueError(f"{block} is already cached under another hash")
+            return True
+        if block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        if block_content_hash is not None:
+            block.content_hash = block_content_hash
+            self.content_index.setdefault(block_content_hash, set()).add(block.block_id)
+        return True
+
+    def blocks_with_content(self, block_content_hash: bytes) -> list[int]:
+        """Ids of cached blocks whose tokens have this position-independent
+        content hash (only populated when the manager tracks content hashes)."""
+        return sorted(self.content_index.get(block_content_hash, ()))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Only allowed when no block is in use;
+        returns False (and changes nothing) otherwise."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            self._evict(block)
+        return True
+
+    def count_blocks(self) -> tuple[int, int, int]:
+        """``(plain free, cached free, in use)`` block counts, by a full scan."""
+        free = cached_free = in_use = 0
+        for block in self.blocks:
+            if block.ref_cnt > 0:
+                in_use += 1
+            elif block.block_hash is None:
+                free += 1
+            else:
+                cached_free += 1
+        return free, cached_free, in_use
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative prefix-cache counters, in tokens (vLLM's
+    ``prefix_cache_queries`` / ``prefix_cache_hits``), counted once per
+    admission or resume of a request. ``requests`` counts those admissions."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / queries (0.0 before any query)."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ints."""
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates KV blocks to requests and shares full blocks through the
+    prefix cache.
+
+    Flow per request (driven by the scheduler): ``get_computed_blocks`` finds
+    the cached prefix, ``allocate_slots`` takes the hit blocks and new blocks
+    for the tokens to compute this step, ``cache_computed_blocks`` registers
+    blocks that became full *after* the step computed them, and ``free``
+    returns the blocks (cached ones stay reusable until evicted).
+
+    Deviation from vLLM v1, on purpose: vLLM registers hashes inside
+    ``allocate_slots``, before the forward pass has written the K/V. We
+    register only blocks whose tokens are already computed, so a request
+    admitted in the same step never reads K/V that the pass has not written
+    yet, and a failed step never leaves garbage behind a valid hash.
+
+    ``track_content_hashes=True`` also indexes each cached block by its
+    position-independent content hash (``BlockPool.blocks_with_content``),
+    the hook for a cache-miss explainer; it is off by default (one extra
+    SHA-256 per block).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 track_content_hashes: bool = False) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.track_content_hashes = track_content_hashes
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        """Total blocks in the cache."""
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any request (including cached-free ones)."""
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction (0..1) of blocks held by requests (``kv_cache_usage_perc``)."""
+        return self.pool.usage
+
+    def _uses_prefix_cache(self, request: Request) -> bool:
+        # prompt_logprobs needs the logits of every prompt token: no hits.
+        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` to cover every full block of its
+        known tokens (prompt + output)."""
+        start = len(request.block_hashes)
+        if (start + 1) * self.block_size > request.num_tokens:
+            return
+        parent = request.block_hashes[-1] if start else None
+        end = (request.num_tokens // self.block_size) * self.block_size
+        request.block_hashes.extend(hash_request_blocks(
+            request.all_token_ids[:end], self.block_size, parent, start))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest chain of cached full blocks that prefixes the request's
+        known tokens, and its length in tokens.
+
+        The last known token is never a hit (its logits are needed), so at
+        most ``(num_tokens - 1) // block_size`` blocks are returned. Returns
+        ``([], 0)`` when prefix caching is off or the request asks for prompt
+        logprobs. Read-only: the blocks are claimed by ``allocate_slots``.
+        """
+        if not self._uses_prefix_cache(request):
+            return [], 0
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVCacheBlock] = ()
+                       ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        ``new_computed_blocks`` are prefix-cache hits from
+        ``get_computed_blocks`` (only on a request's first allocation, i.e. at
+        admission or resume); they count as computed after
+        ``request.num_computed_tokens``. Returns the newly allocated blocks
+        (possibly empty), or None -- with nothing changed -- when too few
+        blocks are free. Records prefix-cache stats (tokens) on a request's
+        first allocation. Raises ``ValueError`` if hits are passed for a
+        request that already holds blocks.
+        """
+        held = self.req_to_blocks.get(request.request_id)
+        if held and new_computed_blocks:
+            raise ValueError("prefix-cache hits can only be added on a request's first allocation")
+        num_held = len(held) if held else 0
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(0, num_required - num_held - len(new_computed_blocks))
+        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            return None
+        if held is None:
+            held = self.req_to_blocks[request.request_id] = []
+            self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
+            self._record_query(request, len(new_computed_blocks))
+        self.pool.touch(new_computed_blocks)
+        held.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        held.extend(new_blocks)
+        return new_blocks
+
+    def _record_query(self, request: Request, num_hit_blocks: int) -> None:
+        if not self._uses_prefix_cache(request):
+            return
+        self.stats.requests += 1
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_hit_blocks * self.block_size
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register (hash) the request's blocks that are full of *computed*
+        tokens (``request.num_computed_tokens``) and not registered yet."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self.update_block_hashes(request)
+        for index in range(start, num_full):
+            self.pool.cache_full_block(blocks[index], request.block_hashes[index],
+                                       self._content_hash(request, index))
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def _content_hash(self, request: Request, index: int) -> bytes | None:
+        if not self.track_content_hashes:
+            return None
+        size = self.block_size
+        return content_hash(request.all_token_ids[index * size:(index + 1) * size])
+
+    def free(self, request: Request | str) -> int:
+        """Release every block of a request (tail blocks first, so they are
+        evicted first). Returns the number of blocks it held; a request
+        holding none is a no-op returning 0."""
+        request_id = request if isinstance(request, str) else request.request_id
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_blocks.pop(request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+        return len(blocks)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (block ids in token order); [] if none."""
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached hashes (e.g. between benchmark runs); False if some
+        block is still in use."""
+        return self.pool.reset_prefix_cache()
+
+    def check_consistency(self) -> None:
+        """Debug aid (O(num_blocks)): raise ``RuntimeError`` unless the ref
+        counts equal the number of block-table entries per block, free +
+        cached-free + in-use == total, the free queue holds exactly the
+        ref-0 blocks, and the hash index points only at hashed blocks."""
+        expected = [0] * self.num_blocks
+        for blocks in self.req_to_blocks.values():
+            for block in blocks:
+                expected[block.block_id] += 1
+        actual = [block.ref_cnt for block in self.pool.blocks]
+        if expected != actual:
+            raise RuntimeError(f"ref counts {actual} != block-table counts {expected}")
+        free, cached_free, in_use = self.pool.count_blocks()
+        if free + cached_free + in_use != self.num_blocks:
+            raise RuntimeError("block accounting does not add up")
+        queued = list(self.pool.free_queue)
+        if len(queued) != free + cached_free or any(b.ref_cnt for b in queued):
+            raise RuntimeError("free queue does not hold exactly the free blocks")
+        if len({id(b) for b in queued}) != len(queued):
+            raise RuntimeError("a block is queued twice")
+        for block_hash, block in self.pool.cached.items():
+            if block.block_hash != block_hash:
+                raise RuntimeError(f"hash index points at {block} with another hash")

@@ -1,0 +1,149 @@
+"""Plain data exchanged between the scheduler, the model runner and the engine.
+
+All frozen dataclasses of tuples, ints and strings, so they can cross a
+thread boundary (the worker thread) and be logged as they are. Token counts
+are in tokens, positions are 0-based token indices, block ids index the KV
+cache's block dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .request import FinishReason
+from .sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's work in a step.
+
+    - ``token_ids``: the tokens whose K/V are computed this step (a prompt
+      chunk, the last generated token, or after preemption the prompt +
+      output tokens being recomputed).
+    - ``start_position``: position of ``token_ids[0]`` (= tokens already in
+      the KV cache before this step).
+    - ``block_ids``: the request's whole block table after allocation; token
+      at position p lives in block ``block_ids[p // block_size]``, slot
+      ``p % block_size``.
+    - ``sample``: True iff this step computes the request's last known token,
+      so the runner samples the next token from its logits.
+    - ``is_new``: first scheduling or resume after preemption; the runner
+      (re)creates its per-request state from ``SchedulerOutput.new_requests``.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_ids: tuple[int, ...]
+    sample: bool
+    is_new: bool
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens computed this step."""
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """What the runner needs to (re)create a request's state.
+
+    ``output_token_ids`` are the tokens generated before a preemption (empty
+    for a first scheduling); ``num_cached_tokens`` the prefix-cache hit tokens
+    of this (re)scheduling; ``resumed`` is True after a preemption.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    num_cached_tokens: int
+    resumed: bool
+
+
+@dataclass(frozen=True)
+class PreemptionEvent:
+    """A request preempted by recompute this step; its ``num_blocks_freed``
+    blocks went back to the pool (cached ones stay reusable)."""
+
+    request_id: str
+    reason: str
+    num_blocks_freed: int
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What changed for one request: new tokens and/or that it finished.
+
+    - ``new_token_ids``: tokens appended this step (after stop truncation).
+    - ``finish_reason``: None while it runs; else why it finished.
+    - ``stop_reason``: the stop token id that finished it, if it was one of
+      ``stop_token_ids`` (EOS reports None, like vLLM).
+    - ``num_cached_tokens``: prefix-cache hit tokens at first scheduling
+      (-1 if never scheduled).
+    - ``num_prompt_tokens`` / ``num_output_tokens``: totals so far.
+    - ``num_preemptions``: times it was preempted so far.
+    - ``error``: message when ``finish_reason`` is ERROR.
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_preemptions: int
+    stop_reason: int | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True when the request finished with this update."""
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One scheduling step, consumed by the model runner and the engine.
+
+    - ``step_id``: 0, 1, 2, ... per ``schedule()`` call.
+    - ``scheduled``: requests to run, decodes first then prefill chunks.
+    - ``new_requests``: data for the ``is_new`` ones.
+    - ``finished_request_ids``: finished, aborted or preempted since the last
+      step (including during this ``schedule()``); the runner drops their
+      state. May name requests the runner never saw.
+    - ``preemptions``: preemptions made in this step.
+    - ``rejected``: requests finished with an error while scheduling (e.g. a
+      prompt longer than ``max_model_len``); report them like updates.
+    - ``num_batched_tokens`` = ``num_prefill_tokens`` + ``num_decode_tokens``
+      (a decode token is a 1-token step of a request whose prompt is fully
+      computed, not newly (re)scheduled).
+    - ``first_scheduled_request_ids``: requests scheduled for the very first
+      time (their prompt's queue time ends here).
+    - ``prefix_cache_queries`` / ``prefix_cache_hits``: tokens queried / hit
+      in the prefix cache by admissions of this step.
+    - ``kv_cache_usage``: fraction (0..1) of blocks in use after scheduling.
+    - ``num_running`` / ``num_waiting``: queue lengths after scheduling.
+    """
+
+    step_id: int
+    scheduled: tuple[ScheduledRequest, ...]
+    new_requests: tuple[NewRequestData, ...]
+    finished_request_ids: tuple[str, ...]
+    preemptions: tuple[PreemptionEvent, ...]
+    rejected: tuple[RequestUpdate, ...]
+    num_batched_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    first_scheduled_request_ids: tuple[str, ...]
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    kv_cache_usage: float
+    num_running: int
+    num_waiting: int
+
+    @property
+    def is_empty(self) -> bool:
+        """True when there is nothing for the runner to compute."""
+        return not self.scheduled

@@ -1,0 +1,349 @@
+"""Iteration-level scheduler: continuous batching with chunked prefill,
+paged KV blocks, prefix caching and preemption by recompute.
+
+Modelled on vLLM v1's scheduler (docs: "Optimization and Tuning -- chunked
+prefill", "Automatic Prefix Caching"; Kwon et al. 2023, PagedAttention; Yu
+et al. 2022, Orca, for iteration-level scheduling). There is no separate
+prefill phase: every step gives each request enough tokens for its computed
+count to catch up with its known count, within the token budget
+``max_num_batched_tokens`` and ``max_num_seqs``.
+
+Protocol (one step in flight): ``schedule()`` -> the runner computes the
+``SchedulerOutput`` -> ``update_from_output()`` with the sampled tokens ->
+``schedule()`` for the next step. ``add_request`` and ``finish_requests``
+may be called between any two of these calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..config import SchedulerConfig
+from .kv_cache_manager import KVCacheManager, cdiv
+from .outputs import (NewRequestData, PreemptionEvent, RequestUpdate, ScheduledRequest,
+                      SchedulerOutput)
+from .request import FinishReason, Request, RequestStatus, check_stop
+from .request_queue import create_queue
+
+
+@dataclass
+class _Step:
+    """Working state of one ``schedule()`` call."""
+
+    budget: int
+    num_new: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in order
+    new_requests: dict[str, NewRequestData] = field(default_factory=dict)
+    first_scheduled: list[str] = field(default_factory=list)
+    preemptions: list[PreemptionEvent] = field(default_factory=list)
+    rejected: list[RequestUpdate] = field(default_factory=list)
+
+    def add(self, request: Request, num_new: int) -> None:
+        self.num_new[request.request_id] = num_new
+        self.budget -= num_new
+
+
+class Scheduler:
+    """Decides, each step, which tokens of which requests the model computes.
+
+    ``block_size`` (tokens per KV block) must match the KV cache manager's;
+    it defaults to it. Raises ``ValueError`` on a mismatch.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 block_size: int | None = None) -> None:
+        if block_size is not None and block_size != kv_cache_manager.block_size:
+            raise ValueError(f"block_size {block_size} != KV cache manager's "
+                             f"{kv_cache_manager.block_size}")
+        self.config = scheduler_config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.waiting = create_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: dict[str, None] = {}  # ordered set, drained each step
+        self._step_id = 0
+
+    # ----------------------------------------------------------- bookkeeping
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and holding KV blocks."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued (new or preempted)."""
+        return len(self.waiting)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests still have to compute (prompt + output)."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The live (unfinished) request with this id, or None."""
+        return self.requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Its ``max_model_len`` is capped at the
+        scheduler's. Raises ``ValueError`` for a duplicate live id or a
+        request that is not fresh (already scheduled or finished)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} is not a fresh request")
+        limit = self.config.max_model_len
+        if request.max_model_len is None or request.max_model_len > limit:
+            request.max_model_len = limit
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        status: RequestStatus) -> list[RequestUpdate]:
+        """Finish live requests from outside (abort, stop string, step fault).
+
+        Removes them from the waiting queue or the running batch and frees
+        their blocks; unknown or already finished ids are ignored. Returns one
+        ``RequestUpdate`` per request finished. Raises ``ValueError`` if
+        ``status`` is not a FINISHED_* status.
+        """
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status}")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        found = [self.requests[i] for i in dict.fromkeys(ids) if i in self.requests]
+        running = {r.request_id for r in found if r.status is RequestStatus.RUNNING}
+        if running:
+            self.running = [r for r in self.running if r.request_id not in running]
+        self.waiting.remove(r.request_id for r in found if r.request_id not in running)
+        return [self._finish(r, status) for r in found]
+
+    def _finish(self, request: Request, status: RequestStatus, error: str | None = None,
+                new_token_ids: Sequence[int] = ()) -> RequestUpdate:
+        """Mark finished, free blocks, forget it. Caller removed it from queues."""
+        request.status = status
+        request.error = error
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids[request.request_id] = None
+        return _make_update(request, new_token_ids)
+
+    # -------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step: running requests first (decodes before prefill
+        chunks), then -- if nothing was preempted -- admit waiting requests
+        while budget, ``max_num_seqs`` and free blocks allow."""
+        stats = self.kv_cache_manager.stats
+        queries, hits = stats.queries, stats.hits
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preemptions:
+            self._schedule_waiting(step)
+        output = self._build_output(step, stats.queries - queries, stats.hits - hits)
+        self._step_id += 1
+        return output
+
+    def _schedule_running(self, step: _Step) -> None:
+        decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        prefills = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        for request in decodes + prefills:
+            if step.budget <= 0:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            self._schedule_running_request(request, step)
+
+    def _schedule_running_request(self, request: Request, step: _Step) -> bool:
+        """Allocate for one running request, preempting others if needed.
+
+        Returns False when ``request`` itself was the victim. Unlike vLLM we
+        then go on with the remaining running requests rather than ending the
+        step: they are all better victims-to-keep (earlier admitted, or of
+        better priority) and may fit in the blocks just freed.
+        """
+        limit = request.max_model_len or self.config.max_model_len
+        num_new = min(request.num_tokens - request.num_computed_tokens, step.budget,
+                      limit - request.num_computed_tokens)
+        if num_new <= 0:
+            return True
+        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            victim = self._pick_victim()
+            self._preempt(victim, step)
+            if victim is request:
+                return False
+        step.add(request, num_new)
+        return True
+
+    def _pick_victim(self) -> Request:
+        """fcfs: the most recently admitted; priority: the worst (highest
+        priority value, then latest arrival, then latest admitted)."""
+        if self.config.policy != "priority":
+            return self.running[-1]
+        order = {id(r): i for i, r in enumerate(self.running)}
+        return max(self.running, key=lambda r: (r.priority, r.arrival_time, order[id(r)]))
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        """Preempt by recompute: free all blocks and requeue at the front."""
+        self.running.remove(request)
+        if request.request_id in step.num_new:  # scheduled earlier this step
+            step.budget += step.num_new.pop(request.request_id)
+        num_freed = self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.prepend(request)
+        self._finished_ids[request.request_id] = None
+        step.preemptions.append(PreemptionEvent(request.request_id, "kv_cache_full", num_freed))
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        while (self.waiting and step.budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting.peek()
+            error = self._reject_reason(request)
+            if error is not None:
+                self.waiting.pop()
+                step.rejected.append(self._finish(request, RequestStatus.FINISHED_ERROR, error))
+                continue
+            if not self._admit(request, step):
+                return
+
+    def _reject_reason(self, request: Request) -> str | None:
+        """Why a waiting request can never run (defensive; the engine should
+        have rejected it already), or None."""
+        limit = request.max_model_len or self.config.max_model_len
+        if request.num_prompt_tokens == 0:
+            return "the prompt is empty"
+        if request.num_tokens > limit:
+            return (f"the prompt ({request.num_tokens} tokens) is longer than "
+                    f"max_model_len ({limit} tokens)")
+        needed = cdiv(request.num_tokens, self.block_size)
+        if needed > self.kv_cache_manager.num_blocks:
+            return (f"the request needs {needed} KV cache blocks but the cache has only "
+                    f"{self.kv_cache_manager.num_blocks}; lower max_model_len")
+        return None
+
+    def _admit(self, request: Request, step: _Step) -> bool:
+        """Try to start (or resume) the head of the waiting queue."""
+        manager = self.kv_cache_manager
+        hit_blocks, num_hit = manager.get_computed_blocks(request)
+        num_new = min(request.num_tokens - num_hit, step.budget)
+        if manager.allocate_slots(request, num_new, hit_blocks) is None:
+            return False
+        self.waiting.pop()
+        resumed = request.status is RequestStatus.PREEMPTED
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+            step.first_scheduled.append(request.request_id)
+        self.running.append(request)
+        step.add(request, num_new)
+        step.new_requests[request.request_id] = NewRequestData(
+            request.request_id, request.prompt_token_ids, tuple(request.output_token_ids),
+            request.sampling_params, num_hit, resumed)
+        return True
+
+    def _build_output(self, step: _Step, queries: int, hits: int) -> SchedulerOutput:
+        scheduled = [self._scheduled_request(rid, n, rid in step.new_requests)
+                     for rid, n in step.num_new.items()]
+        num_decode = sum(s.num_tokens for s in scheduled if self._is_decode(s))
+        num_batched = sum(s.num_tokens for s in scheduled)
+        finished = tuple(self._finished_ids)
+        self._finished_ids.clear()
+        return SchedulerOutput(
+            step_id=self._step_id, scheduled=tuple(scheduled),
+            new_requests=tuple(step.new_requests.values()), finished_request_ids=finished,
+            preemptions=tuple(step.preemptions), rejected=tuple(step.rejected),
+            num_batched_tokens=num_batched, num_prefill_tokens=num_batched - num_decode,
+            num_decode_tokens=num_decode, first_scheduled_request_ids=tuple(step.first_scheduled),
+            prefix_cache_queries=queries, prefix_cache_hits=hits,
+            kv_cache_usage=self.kv_cache_manager.usage, num_running=len(self.running),
+            num_waiting=len(self.waiting))
+
+    def _scheduled_request(self, request_id: str, num_new: int, is_new: bool) -> ScheduledRequest:
+        request = self.requests[request_id]
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request_id,
+            token_ids=tuple(request.all_token_ids[start:start + num_new]),
+            start_position=start,
+            block_ids=tuple(self.kv_cache_manager.get_block_ids(request_id)),
+            sample=start + num_new == request.num_tokens,
+            is_new=is_new)
+
+    def _is_decode(self, scheduled: ScheduledRequest) -> bool:
+        request = self.requests[scheduled.request_id]
+        return (not scheduled.is_new and scheduled.num_tokens == 1
+                and scheduled.start_position >= request.num_prompt_tokens)
+
+    # ----------------------------------------------------- update_from_output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled: Mapping[str, Sequence[int]]) -> list[RequestUpdate]:
+        """Apply the runner's results of ``scheduler_output``.
+
+        For every scheduled request still live: advance
+        ``num_computed_tokens`` by its scheduled tokens, register newly full
+        computed blocks in the prefix cache, and -- if it sampled -- append
+        ``sampled[request_id]`` (token ids) one by one until a stop condition,
+        finishing and freeing it then. Requests finished or aborted since the
+        schedule are skipped. A sampling request missing from ``sampled``
+        finishes with an error. Returns an update per request that got tokens
+        or finished, in scheduled order.
+        """
+        updates = []
+        for scheduled in scheduler_output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if (request is None or request.status is not RequestStatus.RUNNING
+                    or request.num_computed_tokens != scheduled.start_position):
+                continue
+            request.num_computed_tokens += scheduled.num_tokens
+            self.kv_cache_manager.cache_computed_blocks(request)
+            if scheduled.sample:
+                updates.append(self._apply_sampled(request, sampled.get(request.request_id)))
+        return updates
+
+    def _apply_sampled(self, request: Request, token_ids: Sequence[int] | None) -> RequestUpdate:
+        if not token_ids:
+            return self._finish_running(request, RequestStatus.FINISHED_ERROR,
+                                        "the model runner returned no sampled token", ())
+        appended: list[int] = []
+        reason = None
+        for token_id in token_ids:
+            request.append_output_token_ids(token_id)
+            appended.append(token_id)
+            reason = check_stop(request)
+            if reason is not None:
+                break
+        if reason is None:
+            return _make_update(request, appended)
+        request.stop_reason = _stop_token(request) if reason is FinishReason.STOP else None
+        status = RequestStatus.from_finish_reason(reason)
+        return self._finish_running(request, status, None, appended)
+
+    def _finish_running(self, request: Request, status: RequestStatus, error: str | None,
+                        new_token_ids: Sequence[int]) -> RequestUpdate:
+        self.running.remove(request)
+        return self._finish(request, status, error, new_token_ids)
+
+
+def _stop_token(request: Request) -> int | None:
+    """The stop token id that finished ``request`` (None for EOS, like vLLM)."""
+    last = request.output_token_ids[-1]
+    params = request.sampling_params
+    is_eos = not params.ignore_eos and last in request.eos_token_ids
+    return last if last in params.stop_token_ids and not is_eos else None
+
+
+def _make_update(request: Request, new_token_ids: Sequence[int]) -> RequestUpdate:
+    return RequestUpdate(
+        request_id=request.request_id, new_token_ids=tuple(new_token_ids),
+        finish_reason=request.status.finish_reason, num_cached_tokens=request.num_cached_tokens,
+        num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
+        num_preemptions=request.num_preemptions, stop_reason=request.stop_reason,
+        error=request.error)

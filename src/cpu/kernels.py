@@ -1,0 +1,322 @@
+"""Numba kernels of the CPU backend.
+
+Every kernel here is ``@njit(nogil=True, cache=True)`` and expects C-contiguous
+arrays of exactly the dtypes documented on it (float32 data, int32/int64
+metadata); :class:`kvserve.cpu.ops.CpuOps` normalizes its inputs so that each
+kernel compiles for one type signature only (compile time matters on small
+machines: see ``tools/bench_kernels.py`` for the measured first-call times).
+
+Kernels do the checks that would otherwise corrupt memory (Numba does no bounds
+checking): out-of-range slots, block ids, positions and inconsistent metadata
+raise ``ValueError`` with a constant message.
+
+Layout conventions (DESIGN.md section 3, vLLM's paged-attention layout):
+
+* ``kv_cache``: ``float32[num_blocks, 2, block_size, num_kv_heads, head_dim]``,
+  index 0 of axis 1 is K, index 1 is V.
+* ``slot_mapping``: ``int64[T]``; token ``t`` goes to block ``slot // block_size``,
+  offset ``slot % block_size``; a negative slot is padding and is not written.
+* ``query_start_loc``: ``int32[S+1]``; sequence ``s`` owns the flat tokens
+  ``query_start_loc[s]:query_start_loc[s+1]`` (its new tokens of this step).
+* ``seq_lens``: ``int32[S]``; context length of ``s`` *after* this step, so new
+  token ``i`` of ``s`` is at position ``seq_lens[s] - n_new + i``.
+* ``block_tables``: ``int32[S, max_blocks]``; physical block ids in logical order.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+# Numba's OpenMP layer leaves its threads spinning after a parallel region;
+# on a small machine they then steal the cores from OpenBLAS's sgemm threads
+# (measured: a SmolLM2 decode step of 8 sequences took 490 ms instead of
+# 100 ms). The workqueue layer parks its threads at once. We call the
+# parallel kernels from one thread only (the worker), which workqueue needs.
+numba.config.THREADING_LAYER = "workqueue"
+
+# Fast-math flags for the dot products of attention: reassociation lets LLVM
+# vectorize the float32 reductions.  "nnan"/"ninf" are deliberately absent:
+# the online softmax starts from -inf.  Accuracy is checked in
+# tests/cpu/test_kernels.py (relative error < 1e-5 against a float64 reference).
+_ATTN_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
+# Queries of one sequence processed together by one parallel work item.  Each
+# key/value block is loaded once per tile (it stays in L1 while the tile's
+# rows go over it).
+DEFAULT_TILE_Q = 16
+
+
+# --------------------------------------------------------------------------- #
+# Element-wise / row-wise kernels
+# --------------------------------------------------------------------------- #
+
+
+@njit(nogil=True, cache=True)
+def rms_norm_kernel(x, weight, eps, out):
+    """out[t] = x[t] / sqrt(mean(x[t]**2) + eps) * weight (HF LlamaRMSNorm).
+
+    x, out: float32[T, H] (out may not alias x); weight: float32[H]; eps: float.
+    The sum of squares is accumulated in float64.
+    """
+    T, H = x.shape
+    for t in range(T):
+        ss = 0.0
+        for i in range(H):
+            xi = np.float64(x[t, i])
+            ss += xi * xi
+        inv = np.float32(1.0 / np.sqrt(ss / H + eps))
+        for i in range(H):
+            out[t, i] = (x[t, i] * inv) * weight[i]
+
+
+@njit(nogil=True, cache=True)
+def fused_add_rms_norm_kernel(x, residual, weight, eps):
+    """In place: residual += x; x = rms_norm(residual) (vLLM's fused_add_rms_norm).
+
+    x, residual: float32[T, H], distinct buffers; weight: float32[H].
+    """
+    T, H = x.shape
+    for t in range(T):
+        ss = 0.0
+        for i in range(H):
+            r = residual[t, i] + x[t, i]
+            residual[t, i] = r
+            rd = np.float64(r)
+            ss += rd * rd
+        inv = np.float32(1.0 / np.sqrt(ss / H + eps))
+        for i in range(H):
+            x[t, i] = (residual[t, i] * inv) * weight[i]
+
+
+@njit(nogil=True, cache=True)
+def rotary_kernel(positions, x, cos_sin_cache):
+    """In-place rotary embedding, NeoX / HF ``rotate_half`` style.
+
+    positions: int64[T]; x: float32[T, n_heads, head_dim];
+    cos_sin_cache: float32[max_position, head_dim] with cos in the first half
+    and sin in the second half of each row.  For each head, with
+    x1 = x[..., :hd/2], x2 = x[..., hd/2:]:
+    x1' = x1*cos - x2*sin, x2' = x2*cos + x1*sin
+    (= x*cos + rotate_half(x)*sin of HF's apply_rotary_pos_emb).
+    Raises ValueError for a position outside [0, max_position).
+    """
+    T, n, hd = x.shape
+    half = hd // 2
+    max_pos = cos_sin_cache.shape[0]
+    for t in range(T):
+        p = positions[t]
+        if p < 0 or p >= max_pos:
+            raise ValueError("rotary_embedding: position out of range of cos_sin_cache")
+        for h in range(n):
+            for i in range(half):
+                c = cos_sin_cache[p, i]
+                s = cos_sin_cache[p, half + i]
+                x1 = x[t, h, i]
+                x2 = x[t, h, half + i]
+                x[t, h, i] = x1 * c - x2 * s
+                x[t, h, half + i] = x2 * c + x1 * s
+
+
+@njit(nogil=True, cache=True)
+def silu_and_mul_kernel(x, out):
+    """out = silu(x[:, :I]) * x[:, I:], silu(a) = a / (1 + exp(-a)).
+
+    x: float32[T, 2*I]; out: float32[T, I].
+    """
+    T, I = out.shape
+    for t in range(T):
+        for i in range(I):
+            a = x[t, i]
+            out[t, i] = a / (np.float32(1.0) + np.exp(-a)) * x[t, I + i]
+
+
+@njit(nogil=True, cache=True)
+def write_kv_kernel(k, v, kv_cache, slot_mapping):
+    """Scatter new K/V rows into the paged cache.
+
+    k, v: float32[T, num_kv_heads, head_dim]; kv_cache: float32[num_blocks, 2,
+    block_size, num_kv_heads, head_dim]; slot_mapping: int64[T] (negative =
+    skip).  Raises ValueError for a slot beyond the cache.
+    """
+    T, nkv, hd = k.shape
+    nb = kv_cache.shape[0]
+    bs = kv_cache.shape[2]
+    for t in range(T):
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        b = slot // bs
+        o = slot - b * bs
+        if b >= nb:
+            raise ValueError("write_kv: slot beyond the KV cache")
+        for h in range(nkv):
+            for d in range(hd):
+                kv_cache[b, 0, o, h, d] = k[t, h, d]
+                kv_cache[b, 1, o, h, d] = v[t, h, d]
+
+
+# --------------------------------------------------------------------------- #
+# Paged attention
+# --------------------------------------------------------------------------- #
+
+
+@njit(nogil=True, cache=True, fastmath=_ATTN_FASTMATH)
+def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out):
+    """Causal attention of queries q[t0:t0+nq] (heads of kv group ``kvh``).
+
+    The queries are at consecutive positions pos0..pos0+nq-1 and attend to
+    positions 0..own position, read from the blocks listed in block_table.
+    Online (streaming) softmax over key blocks: per row a running max m, a
+    running denominator l and an unnormalized accumulator acc.
+    """
+    hd = q.shape[2]
+    bs = kv_cache.shape[2]
+    R = nq * group
+    qbuf = np.empty((R, hd), np.float32)
+    for qi in range(nq):
+        for g in range(group):
+            for d in range(hd):
+                qbuf[qi * group + g, d] = q[t0 + qi, kvh * group + g, d] * scale
+    m = np.full(R, -np.inf, np.float32)
+    l = np.zeros(R, np.float32)
+    acc = np.zeros((R, hd), np.float32)
+    p = np.empty(bs, np.float32)
+
+    pos_last = pos0 + nq - 1
+    n_blocks = pos_last // bs + 1
+    for b in range(n_blocks):
+        pb = block_table[b]
+        kstart = b * bs
+        nk = min(bs, pos_last + 1 - kstart)
+        for r in range(R):
+            # number of keys of this block visible to row r (causal mask)
+            lim = pos0 + r // group - kstart + 1
+            if lim > nk:
+                lim = nk
+            if lim <= 0:
+                continue
+            bmax = -np.inf
+            for j in range(lim):
+                s = np.float32(0.0)
+                for d in range(hd):
+                    s += qbuf[r, d] * kv_cache[pb, 0, j, kvh, d]
+                p[j] = s
+                if s > bmax:
+                    bmax = s
+            m_old = m[r]
+            m_new = m_old if m_old > bmax else bmax
+            alpha = np.exp(m_old - m_new)  # exp(-inf) = 0 on the first block
+            psum = np.float32(0.0)
+            for j in range(lim):
+                e = np.exp(p[j] - m_new)
+                p[j] = e
+                psum += e
+            l[r] = l[r] * alpha + psum
+            m[r] = m_new
+            for d in range(hd):
+                acc[r, d] *= alpha
+            for j in range(lim):
+                pj = p[j]
+                for d in range(hd):
+                    acc[r, d] += pj * kv_cache[pb, 1, j, kvh, d]
+    for qi in range(nq):
+        for g in range(group):
+            r = qi * group + g
+            inv = np.float32(1.0) / l[r]
+            for d in range(hd):
+                out[t0 + qi, kvh * group + g, d] = acc[r, d] * inv
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def paged_attention_kernel(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, tile_q,
+                           n_threads, out):
+    """Causal attention over the paged KV cache for a flat varlen batch.
+
+    q: float32[T, num_heads, head_dim]; kv_cache: float32[num_blocks, 2,
+    block_size, num_kv_heads, head_dim]; block_tables: int32[S, max_blocks];
+    seq_lens: int32[S]; query_start_loc: int32[S+1]; scale: float (usually
+    head_dim**-0.5); tile_q: int, queries per work item; n_threads: int,
+    numba.get_num_threads() of the caller (passed in: reading it inside the
+    kernel would stop Numba from caching it); out: float32[T,
+    num_heads, head_dim], must be zero-filled by the caller (rows of tokens
+    owned by no sequence are left untouched).
+
+    GQA: query head h reads kv head h // (num_heads // num_kv_heads).  Work is
+    split into (query tile, kv head) items, dealt longest-first to the Numba
+    threads so causal prefill tiles balance.
+    Raises ValueError on inconsistent metadata or block ids out of range.
+    """
+    T, nh, hd = q.shape
+    nb = kv_cache.shape[0]
+    bs = kv_cache.shape[2]
+    nkv = kv_cache.shape[3]
+    group = nh // nkv
+    S = seq_lens.shape[0]
+    max_blocks = block_tables.shape[1]
+
+    # Validation (serial, O(S * blocks)) and tile count.
+    n_tiles = 0
+    for s in range(S):
+        q0 = query_start_loc[s]
+        q1 = query_start_loc[s + 1]
+        n_new = q1 - q0
+        if q0 < 0 or n_new < 0 or q1 > T:
+            raise ValueError("paged_attention: query_start_loc must be non-decreasing within [0, T]")
+        if n_new == 0:
+            continue
+        L = seq_lens[s]
+        if L < n_new:
+            raise ValueError("paged_attention: seq_lens[s] smaller than the sequence's new tokens")
+        n_blk = (L + bs - 1) // bs
+        if n_blk > max_blocks:
+            raise ValueError("paged_attention: block_tables too narrow for seq_lens")
+        for b in range(n_blk):
+            pb = block_tables[s, b]
+            if pb < 0 or pb >= nb:
+                raise ValueError("paged_attention: block id out of range of the KV cache")
+        n_tiles += (n_new + tile_q - 1) // tile_q
+
+    tile_seq = np.empty(n_tiles, np.int64)
+    tile_t0 = np.empty(n_tiles, np.int64)
+    tile_nq = np.empty(n_tiles, np.int64)
+    tile_pos0 = np.empty(n_tiles, np.int64)
+    cost = np.empty(n_tiles, np.int64)
+    i = 0
+    for s in range(S):
+        q0 = query_start_loc[s]
+        q1 = query_start_loc[s + 1]
+        n_new = q1 - q0
+        first_pos = seq_lens[s] - n_new
+        t = q0
+        while t < q1:
+            nq = min(tile_q, q1 - t)
+            tile_seq[i] = s
+            tile_t0[i] = t
+            tile_nq[i] = nq
+            tile_pos0[i] = first_pos + (t - q0)
+            cost[i] = nq * (tile_pos0[i] + nq)
+            i += 1
+            t += nq
+    # Balance: sort the (tile, kv head) items by cost, deal them to the
+    # workers in snake order, one prange iteration per worker (Numba's
+    # scheduler splits a prange into equal contiguous chunks, which would give
+    # all the long causal tiles to one thread).
+    order = np.argsort(-cost)  # longest first
+    n_items = n_tiles * nkv
+    n_workers = max(1, min(n_threads, n_items))
+    for w in prange(n_workers):
+        k = 0
+        while True:
+            rnd = k // n_workers
+            lane = k - rnd * n_workers
+            mine = lane if rnd % 2 == 0 else n_workers - 1 - lane
+            if k >= n_items:
+                break
+            if mine == w:
+                ti = order[k // nkv]
+                kvh = k % nkv
+                _attend_tile(q, kv_cache, block_tables[tile_seq[ti]], scale, tile_t0[ti],
+                             tile_nq[ti], tile_pos0[ti], kvh, group, out)
+            k += 1

@@ -1,0 +1,302 @@
+"""CPU backend: :class:`CpuOps`, the :class:`kvserve.model.ops.Ops` interface on
+NumPy (BLAS for the matrix products) and the Numba kernels of
+:mod:`kvserve.cpu.kernels`.
+
+Everything is float32.  Inputs are normalized here (C-contiguous float32 data,
+int32/int64 metadata, writeable arrays) so that each Numba kernel compiles
+for exactly one type signature; the checks cost O(1) or O(metadata) per call.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from kvserve.cpu import kernels
+from kvserve.model.ops import build_rope_cache
+
+__all__ = ["CpuOps", "build_rope_cache"]
+
+_F32 = np.float32
+
+
+def _f32(a: np.ndarray, name: str, ndim: int) -> np.ndarray:
+    """Read-only use: C-contiguous, writeable float32 (copies only when needed).
+
+    Writeable matters because Numba compiles a separate variant for read-only
+    arrays (e.g. memory-mapped safetensors).
+    """
+    a = np.ascontiguousarray(a, dtype=_F32)
+    if a.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim}-D array, got shape {a.shape}")
+    if not a.flags.writeable:
+        a = a.copy()
+    return a
+
+
+def _int(a: np.ndarray, dtype: type, name: str, ndim: int) -> np.ndarray:
+    a = np.asarray(a)
+    if a.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim}-D array, got shape {a.shape}")
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{name}: expected an integer array, got {a.dtype}")
+    a = np.ascontiguousarray(a, dtype=dtype)
+    if not a.flags.writeable:
+        a = a.copy()
+    return a
+
+
+def _inplace(a: np.ndarray, name: str) -> tuple[np.ndarray, bool]:
+    """For in-place ops: returns (contiguous buffer, needs_write_back).
+
+    ``a`` must be a writeable float32 ndarray; a non-contiguous view (e.g. a
+    slice of a fused qkv output) is processed in a contiguous copy that the
+    caller writes back.
+    """
+    if not isinstance(a, np.ndarray) or a.dtype != _F32:
+        raise ValueError(f"{name}: in-place operand must be a float32 numpy array, "
+                         f"got {type(a).__name__} {getattr(a, 'dtype', '')}")
+    if not a.flags.writeable:
+        raise ValueError(f"{name}: in-place operand is read-only")
+    if a.flags.c_contiguous:
+        return a, False
+    return np.ascontiguousarray(a), True
+
+
+class CpuOps:
+    """NumPy + Numba implementation of :class:`kvserve.model.ops.Ops` (float32).
+
+    Args:
+        tile_q: queries of one sequence per attention work item (default
+            ``kernels.DEFAULT_TILE_Q``).
+
+    Thread safety: Numba kernels release the GIL; the parallel attention
+    kernel uses Numba's threading layer and should be called from one thread
+    at a time (the worker thread).
+    """
+
+    name = "cpu"
+
+    def __init__(self, tile_q: int = kernels.DEFAULT_TILE_Q) -> None:
+        if tile_q < 1:
+            raise ValueError(f"tile_q must be >= 1, got {tile_q}")
+        self.tile_q = int(tile_q)
+
+    # ------------------------------------------------------------------ #
+    # dense ops
+    # ------------------------------------------------------------------ #
+
+    def embedding(self, token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+        """``table[token_ids]``: int64[T] ids, float32[V, H] table -> float32[T, H].
+
+        Raises ValueError for a non-1-D id array or an id outside [0, V).
+        """
+        ids = _int(token_ids, np.int64, "embedding token_ids", 1)
+        if table.ndim != 2:
+            raise ValueError(f"embedding: table must be [V, H], got {table.shape}")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= table.shape[0]):
+            raise ValueError(f"embedding: token id out of range [0, {table.shape[0]})")
+        return np.asarray(table[ids], dtype=_F32)
+
+    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        """``x @ weight.T (+ bias)`` via BLAS sgemm (no transpose copy).
+
+        x: float32[T, in]; weight: float32[out, in]; bias: float32[out] or None.
+        Returns float32[T, out].  Raises ValueError on shape mismatch.
+        """
+        x = np.asarray(x, dtype=_F32)
+        if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
+            raise ValueError(f"linear: x {x.shape} and weight {weight.shape} do not match "
+                             "(expected x [T, in], weight [out, in])")
+        y = x @ weight.T
+        if y.dtype != _F32:
+            y = y.astype(_F32)
+        if bias is not None:
+            if bias.shape != (weight.shape[0],):
+                raise ValueError(f"linear: bias shape {bias.shape}, expected ({weight.shape[0]},)")
+            y += bias
+        return y
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """HF LlamaRMSNorm: float32[T, H], float32[H] -> new float32[T, H].
+
+        The sum of squares is accumulated in float64.  Raises ValueError on
+        shape mismatch.
+        """
+        x = _f32(x, "rms_norm x", 2)
+        w = _f32(weight, "rms_norm weight", 1)
+        if w.shape[0] != x.shape[1]:
+            raise ValueError(f"rms_norm: weight {w.shape} does not match x {x.shape}")
+        out = np.empty_like(x)
+        kernels.rms_norm_kernel(x, w, float(eps), out)
+        return out
+
+    def fused_add_rms_norm(self, x: np.ndarray, residual: np.ndarray, weight: np.ndarray,
+                           eps: float) -> None:
+        """In place: ``residual += x; x[:] = rms_norm(residual)`` (vLLM convention).
+
+        x, residual: writeable float32[T, H], distinct buffers; weight:
+        float32[H].  Raises ValueError on shape/dtype mismatch or aliasing.
+        """
+        if x.shape != residual.shape or x.ndim != 2:
+            raise ValueError(f"fused_add_rms_norm: x {x.shape} and residual {residual.shape} "
+                             "must be equal [T, H]")
+        if np.shares_memory(x, residual):
+            raise ValueError("fused_add_rms_norm: x and residual must not overlap")
+        w = _f32(weight, "fused_add_rms_norm weight", 1)
+        if w.shape[0] != x.shape[1]:
+            raise ValueError(f"fused_add_rms_norm: weight {w.shape} does not match x {x.shape}")
+        xb, x_back = _inplace(x, "fused_add_rms_norm x")
+        rb, r_back = _inplace(residual, "fused_add_rms_norm residual")
+        kernels.fused_add_rms_norm_kernel(xb, rb, w, float(eps))
+        if x_back:
+            x[...] = xb
+        if r_back:
+            residual[...] = rb
+
+    def rotary_embedding(self, positions: np.ndarray, q: np.ndarray, k: np.ndarray,
+                         cos_sin_cache: np.ndarray, head_dim: int) -> None:
+        """In-place NeoX / HF ``rotate_half`` RoPE on q and k.
+
+        positions: int64[T]; q: float32[T, nh*hd] or [T, nh, hd]; k:
+        float32[T, nkv*hd] or [T, nkv, hd]; cos_sin_cache: float32[max_pos, hd]
+        from :func:`build_rope_cache`.  Non-contiguous q/k views are handled
+        through a copy written back.  Raises ValueError on shape mismatch or a
+        position outside [0, max_pos).
+        """
+        pos = _int(positions, np.int64, "rotary_embedding positions", 1)
+        cache = _f32(cos_sin_cache, "rotary_embedding cos_sin_cache", 2)
+        if cache.shape[1] != head_dim or head_dim % 2:
+            raise ValueError(f"rotary_embedding: cos_sin_cache {cache.shape} does not match "
+                             f"head_dim {head_dim} (must be even)")
+        for name, a in (("q", q), ("k", k)):
+            per_token = a.size // a.shape[0] if a.ndim and a.shape[0] else 0
+            if a.ndim not in (2, 3) or a.shape[0] != pos.shape[0] or per_token % head_dim \
+                    or (a.ndim == 3 and a.shape[2] != head_dim):
+                raise ValueError(f"rotary_embedding: {name} shape {a.shape} does not match "
+                                 f"T={pos.shape[0]} and head_dim {head_dim}")
+            buf, back = _inplace(a, f"rotary_embedding {name}")
+            kernels.rotary_kernel(pos, buf.reshape(buf.shape[0], -1, head_dim), cache)
+            if back:
+                a[...] = buf
+
+    def silu_and_mul(self, x: np.ndarray) -> np.ndarray:
+        """``silu(x[:, :I]) * x[:, I:]``: float32[T, 2I] -> new float32[T, I]."""
+        x = _f32(x, "silu_and_mul x", 2)
+        if x.shape[1] % 2:
+            raise ValueError(f"silu_and_mul: last dimension must be even, got {x.shape}")
+        out = np.empty((x.shape[0], x.shape[1] // 2), dtype=_F32)
+        kernels.silu_and_mul_kernel(x, out)
+        return out
+
+    # ------------------------------------------------------------------ #
+    # paged KV cache
+    # ------------------------------------------------------------------ #
+
+    @staticmethod
+    def _check_cache(kv_cache: np.ndarray, name: str) -> None:
+        if (not isinstance(kv_cache, np.ndarray) or kv_cache.dtype != _F32 or kv_cache.ndim != 5
+                or kv_cache.shape[1] != 2 or not kv_cache.flags.c_contiguous
+                or not kv_cache.flags.writeable):
+            raise ValueError(f"{name}: kv_cache must be a writeable C-contiguous float32 array "
+                             "[num_blocks, 2, block_size, num_kv_heads, head_dim], got "
+                             f"{getattr(kv_cache, 'shape', None)} {getattr(kv_cache, 'dtype', None)}")
+
+    def write_kv(self, k: np.ndarray, v: np.ndarray, kv_cache: np.ndarray,
+                 slot_mapping: np.ndarray) -> None:
+        """Scatter K/V rows float32[T, nkv, hd] into ``kv_cache`` by slot.
+
+        slot_mapping: int64[T]; negative entries are skipped.  Raises
+        ValueError on shape mismatch or a slot beyond the cache.
+        """
+        self._check_cache(kv_cache, "write_kv")
+        _, _, _, nkv, hd = kv_cache.shape
+        kk = _f32(k, "write_kv k", 3)
+        vv = _f32(v, "write_kv v", 3)
+        slots = _int(slot_mapping, np.int64, "write_kv slot_mapping", 1)
+        T = slots.shape[0]
+        if kk.shape != (T, nkv, hd) or vv.shape != (T, nkv, hd):
+            raise ValueError(f"write_kv: k {kk.shape} / v {vv.shape} must be ({T}, {nkv}, {hd})")
+        kernels.write_kv_kernel(kk, vv, kv_cache, slots)
+
+    def paged_attention(self, q: np.ndarray, kv_cache: np.ndarray, block_tables: np.ndarray,
+                        seq_lens: np.ndarray, query_start_loc: np.ndarray,
+                        scale: float) -> np.ndarray:
+        """Causal attention over the paged cache (see :meth:`Ops.paged_attention`).
+
+        q: float32[T, nh, hd]; kv_cache: float32[num_blocks, 2, block_size,
+        nkv, hd]; block_tables: int32[S, max_blocks]; seq_lens: int32[S];
+        query_start_loc: int32[S+1]; scale: float.  Returns float32[T, nh, hd]
+        (zero rows for tokens owned by no sequence).  Parallel over (query
+        tile, kv head) with Numba threads; online softmax in float32.
+        Raises ValueError on inconsistent shapes/metadata or a block id out of
+        range.
+        """
+        self._check_cache(kv_cache, "paged_attention")
+        _, _, _, nkv, hd = kv_cache.shape
+        qq = _f32(q, "paged_attention q", 3)
+        T, nh, hd_q = qq.shape
+        if hd_q != hd or nh % nkv:
+            raise ValueError(f"paged_attention: q {qq.shape} incompatible with "
+                             f"{nkv} kv heads of dim {hd}")
+        bt = _int(block_tables, np.int32, "paged_attention block_tables", 2)
+        sl = _int(seq_lens, np.int32, "paged_attention seq_lens", 1)
+        qsl = _int(query_start_loc, np.int32, "paged_attention query_start_loc", 1)
+        S = sl.shape[0]
+        if qsl.shape[0] != S + 1 or bt.shape[0] != S:
+            raise ValueError(f"paged_attention: {S} seq_lens need query_start_loc of {S + 1} "
+                             f"and block_tables of {S} rows, got {qsl.shape[0]} and {bt.shape[0]}")
+        out = np.zeros_like(qq)
+        if S:
+            kernels.paged_attention_kernel(qq, kv_cache, bt, sl, qsl, np.float32(scale),
+                                           self.tile_q, numba.get_num_threads(), out)
+        return out
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int) -> np.ndarray:
+        """Zeroed float32[num_blocks, 2, block_size, num_kv_heads, head_dim]."""
+        dims = (num_blocks, block_size, num_kv_heads, head_dim)
+        if any(int(d) <= 0 for d in dims):
+            raise ValueError(f"allocate_kv_cache: all dimensions must be positive, got {dims}")
+        return np.zeros((num_blocks, 2, block_size, num_kv_heads, head_dim), dtype=_F32)
+
+    # ------------------------------------------------------------------ #
+    # host <-> backend
+    # ------------------------------------------------------------------ #
+
+    def to_device(self, array: np.ndarray) -> np.ndarray:
+        """Floating arrays -> C-contiguous writeable float32 (copy if needed);
+        other dtypes -> C-contiguous, dtype kept."""
+        a = np.asarray(array)
+        if a.dtype.kind == "f" or a.dtype.kind == "V":  # "V": e.g. bfloat16 via ml_dtypes
+            a = np.ascontiguousarray(a, dtype=_F32)
+        else:
+            a = np.ascontiguousarray(a)
+        if not a.flags.writeable:
+            a = a.copy()
+        return a
+
+    def to_numpy(self, array: np.ndarray) -> np.ndarray:
+        """Identity on the CPU backend (returns a NumPy view/array)."""
+        return np.asarray(array)
+
+    # ------------------------------------------------------------------ #
+
+    def warmup(self) -> None:
+        """Compile (or load from Numba's cache) every kernel on tiny inputs.
+
+        Call once at start-up so the first request does not pay JIT time.
+        """
+        nkv, hd, bs = 1, 4, 4
+        cache = self.allocate_kv_cache(2, bs, nkv, hd)
+        x = np.ones((2, 4), _F32)
+        self.rms_norm(x, np.ones(4, _F32), 1e-6)
+        self.fused_add_rms_norm(x, np.ones((2, 4), _F32), np.ones(4, _F32), 1e-6)
+        q = np.ones((2, 2, hd), _F32)
+        k = np.ones((2, nkv, hd), _F32)
+        self.rotary_embedding(np.arange(2), q, k, build_rope_cache(hd, 4, 10000.0), hd)
+        self.silu_and_mul(x)
+        self.write_kv(k, k, cache, np.arange(2))
+        self.paged_attention(q, cache, np.array([[0, 1]], np.int32), np.array([2], np.int32),
+                             np.array([0, 2], np.int32), 0.5)
+

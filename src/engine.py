@@ -1,0 +1,211 @@
+"""AsyncEngine: loads the model, sizes the KV cache, wires and runs the actors.
+
+    engine = await AsyncEngine.start(EngineConfig(model=path))
+    stream = engine.generate(GenerateRequest(...))
+    async for event in stream: ...
+    await engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import structlog
+
+from kvserve.actors.admission import AdmissionActor
+from kvserve.actors.detokenizer import DetokenizerActor
+from kvserve.actors.messages import AbortRequest, GenerateRequest
+from kvserve.actors.registry import StreamRegistry
+from kvserve.actors.scheduler import SchedulerActor
+from kvserve.actors.stream import RequestStream
+from kvserve.actors.tokenizer import TokenizerActor
+from kvserve.actors.worker import WorkerActor
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.scheduler import Scheduler
+from kvserve.model.llama import LlamaModel
+from kvserve.model.loader import load_model_config, load_weights
+from kvserve.model.runner import ModelRunner
+from kvserve.model.tokenizer import Tokenizer
+
+log = structlog.get_logger("kvserve.engine")
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """How the KV cache memory divides into blocks.
+
+    ``bytes_per_token`` = 2 x layers x kv_heads x head_dim x dtype bytes;
+    ``num_blocks`` = memory // (block_size x bytes_per_token);
+    ``max_concurrency`` = KV tokens / ``max_model_len`` (how many requests of
+    full length fit at once, as vLLM reports it).
+    """
+
+    bytes_per_token: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the KV cache holds."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """Full-length requests that fit at once."""
+        return self.num_tokens / self.max_model_len
+
+
+def plan_kv_cache(model: ModelConfig, cache: CacheConfig, max_model_len: int,
+                  dtype_bytes: int = 4) -> KVCachePlan:
+    """Divide ``cache.kv_cache_memory`` bytes into blocks.
+
+    Raises ``ValueError`` when not even one block fits.
+    """
+    per_token = model.kv_bytes_per_token(dtype_bytes)
+    num_blocks = cache.kv_cache_memory // (cache.block_size * per_token)
+    if num_blocks < 1:
+        raise ValueError(
+            f"--kv-cache-memory {cache.kv_cache_memory} bytes holds no KV block "
+            f"(one block of {cache.block_size} tokens needs {cache.block_size * per_token} bytes)")
+    return KVCachePlan(per_token, num_blocks, cache.block_size, max_model_len)
+
+
+def _make_ops(backend: str):
+    if backend == "cpu":
+        from kvserve.cpu.ops import CpuOps
+        return CpuOps()
+    raise ValueError(f"backend {backend!r} is not available in this build; use --backend cpu")
+
+
+@dataclass
+class EngineCore:
+    """The synchronous parts, built once at start-up (heavy: loads weights)."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    runner: ModelRunner
+    scheduler: Scheduler
+    plan: KVCachePlan
+    max_model_len: int
+
+
+def build_engine_core(config: EngineConfig) -> EngineCore:
+    """Load the checkpoint, size the KV cache and build runner and scheduler.
+
+    ``max_model_len`` is the checkpoint's context length, capped by
+    ``SchedulerConfig.max_model_len`` and by the KV cache size (a request must
+    fit alone), with a warning when the cache caps it.
+    """
+    t0 = time.monotonic()
+    path = Path(config.model)
+    model_config = load_model_config(path)
+    tokenizer = Tokenizer(path)
+    ops = _make_ops(config.backend)
+    weights = load_weights(path, model_config)
+    model = LlamaModel(model_config, weights, ops)
+    del weights
+    max_len = min(model_config.max_position_embeddings, config.scheduler.max_model_len)
+    plan = plan_kv_cache(model_config, config.cache, max_len)
+    if plan.num_tokens < max_len:
+        log.warning("max_model_len_capped", max_model_len=plan.num_tokens, requested=max_len,
+                    reason="KV cache holds fewer tokens than the context length")
+        max_len = plan.num_tokens
+        plan = replace(plan, max_model_len=max_len)
+    runner = ModelRunner(model_config, model, ops, plan.num_blocks, plan.block_size,
+                         logprobs_mode=config.logprobs_mode, seed=config.seed)
+    _warm_up(ops)
+    kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching)
+    scheduler = Scheduler(replace(config.scheduler, max_model_len=max_len), kv, plan.block_size)
+    log.info(f"KV cache size: {plan.num_tokens:,} tokens", event_name="kv_cache_size",
+             num_blocks=plan.num_blocks, block_size=plan.block_size,
+             kv_bytes_per_token=plan.bytes_per_token)
+    log.info(f"Maximum concurrency for {max_len:,} tokens per request: {plan.max_concurrency:.2f}x",
+             event_name="max_concurrency", max_model_len=max_len,
+             max_concurrency=round(plan.max_concurrency, 2))
+    log.info("engine_loaded", model=str(path), backend=config.backend,
+             seconds=round(time.monotonic() - t0, 3))
+    return EngineCore(config, model_config, tokenizer, runner, scheduler, plan, max_len)
+
+
+def _warm_up(ops) -> None:
+    warmup = getattr(ops, "warmup", None)
+    if warmup is not None:
+        warmup()
+
+
+class AsyncEngine:
+    """The engine's public face: ``generate``, ``abort``, ``shutdown``.
+
+    Implements ``kvserve.actors.stream.EngineClient`` for the API. Must be
+    used from one event loop (the one ``start`` ran on).
+    """
+
+    def __init__(self, core: EngineCore, model_name: str | None = None) -> None:
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self.model_name = model_name or Path(core.config.model).name
+        self.max_model_len = core.max_model_len
+        self.streams = StreamRegistry()
+        self.scheduler = SchedulerActor(core.scheduler, core.model_config.eos_token_ids,
+                                        core.max_model_len)
+        self.worker = WorkerActor(core.runner, self.scheduler)
+        self.detokenizer = DetokenizerActor(core.tokenizer, self.streams)
+        self.admission = AdmissionActor(self.streams, self.scheduler, self.detokenizer)
+        self.tokenizer_actor = TokenizerActor(core.tokenizer, core.max_model_len, self.streams,
+                                              self.admission)
+        self.scheduler.worker = self.worker
+        self.scheduler.detokenizer = self.detokenizer
+        self.detokenizer.scheduler = self.scheduler
+        self._actors = [self.tokenizer_actor, self.admission, self.scheduler, self.worker,
+                        self.detokenizer]
+        self._ready = False
+
+    @classmethod
+    async def start(cls, config: EngineConfig, model_name: str | None = None) -> AsyncEngine:
+        """Build the engine off the event loop, then start the actors."""
+        core = await asyncio.to_thread(build_engine_core, config)
+        engine = cls(core, model_name)
+        engine.start_actors()
+        return engine
+
+    def start_actors(self) -> None:
+        """Start every actor's run loop on the running event loop."""
+        for actor in self._actors:
+            actor.start()
+        self._ready = True
+
+    def is_ready(self) -> bool:
+        """True while the engine accepts requests."""
+        return self._ready
+
+    def generate(self, request: GenerateRequest) -> RequestStream:
+        """Submit a request; its events arrive on the returned stream.
+
+        Raises ``ValueError`` if the request id is already in use.
+        """
+        stream = self.streams.open(request.request_id, request.sampling_params.n)
+        self.tokenizer_actor.send(request)
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request (client gone); its blocks are freed at the next step."""
+        stream = self.streams.close(request_id)
+        if stream is None:
+            return
+        ids = ((request_id,) if stream.n == 1
+               else tuple(f"{request_id}-{i}" for i in range(stream.n)))
+        self.scheduler.send(AbortRequest(ids, reason="abort"))
+        log.info("request_aborted", request_id=request_id)
+
+    async def shutdown(self) -> None:
+        """Stop the actors in data-flow order."""
+        self._ready = False
+        for actor in self._actors:
+            await actor.stop()
+

@@ -1,0 +1,152 @@
+"""Llama-family forward pass over a flat varlen batch (prefill chunks and decodes mixed).
+
+The batch is one flat run of T tokens from S sequences. Each layer first
+writes the new tokens' K/V into the paged KV cache through ``slot_mapping``,
+then runs paged attention, which reads every sequence's context (cached and
+new) through its block table. So a prefill chunk, a decode token, or a
+request reusing prefix-cached blocks are all the same computation.
+
+Written once against ``kvserve.model.ops.Ops``; the backend (CPU or CUDA)
+supplies the kernels. Covers the ``llama``, ``mistral`` and ``qwen2``
+``model_type``s: GQA, optional q/k/v bias, tied or untied LM head, RoPE theta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvserve.config import ModelConfig
+from kvserve.model.ops import Ops, build_rope_cache
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token's K/V goes and what each sequence attends to.
+
+    Arrays are backend arrays (NumPy on the CPU):
+
+    - ``slot_mapping``: int64[T], ``block_id * block_size + offset`` per token.
+    - ``block_tables``: int32[S, max_blocks], physical block ids per sequence.
+    - ``seq_lens``: int32[S], context length of each sequence after this step.
+    - ``query_start_loc``: int32[S + 1], sequence s owns tokens
+      ``query_start_loc[s]:query_start_loc[s+1]``.
+    """
+
+    slot_mapping: Any
+    block_tables: Any
+    seq_lens: Any
+    query_start_loc: Any
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer, with q/k/v and gate/up fused into single matrices.
+
+    Shapes: ``qkv`` [(nh + 2 nkv) * hd, H], ``o_proj`` [H, nh * hd],
+    ``gate_up`` [2 I, H], ``down`` [H, I], norms [H].
+    """
+
+    input_norm: Any
+    qkv: Any
+    qkv_bias: Any | None
+    o_proj: Any
+    post_norm: Any
+    gate_up: Any
+    down: Any
+
+
+class LlamaModel:
+    """Weights on the backend plus ``forward``.
+
+    Args:
+        config: the checkpoint's architecture.
+        weights: Hugging Face-named float arrays (``kvserve.model.loader``).
+        ops: the backend's kernels.
+
+    Raises:
+        KeyError: a tensor the architecture needs is missing.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], ops: Ops) -> None:
+        self.config = config
+        self.ops = ops
+        self.embed_tokens = ops.to_device(weights["model.embed_tokens.weight"])
+        self.final_norm = ops.to_device(weights["model.norm.weight"])
+        if config.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = ops.to_device(weights["lm_head.weight"])
+        self.layers = [self._load_layer(weights, i) for i in range(config.num_hidden_layers)]
+        self.rope_cache = ops.to_device(build_rope_cache(
+            config.head_dim, config.max_position_embeddings, config.rope_theta))
+        self.q_size = config.num_attention_heads * config.head_dim
+        self.kv_size = config.num_key_value_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+
+    def _load_layer(self, w: dict[str, np.ndarray], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        attn = [w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]
+        bias = None
+        if f"{p}self_attn.q_proj.bias" in w:
+            bias = self.ops.to_device(np.concatenate(
+                [w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"]))
+        gate_up = np.concatenate([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]])
+        to = self.ops.to_device
+        return LayerWeights(
+            input_norm=to(w[f"{p}input_layernorm.weight"]),
+            qkv=to(np.concatenate(attn)),
+            qkv_bias=bias,
+            o_proj=to(w[f"{p}self_attn.o_proj.weight"]),
+            post_norm=to(w[f"{p}post_attention_layernorm.weight"]),
+            gate_up=to(gate_up),
+            down=to(w[f"{p}mlp.down_proj.weight"]),
+        )
+
+    def forward(self, input_ids: Any, positions: Any, attn: AttentionMetadata,
+                kv_caches: list[Any], logits_indices: Any) -> Any:
+        """Run all layers and return logits of the sampling positions.
+
+        Args:
+            input_ids: int64[T] token ids of the flat batch.
+            positions: int64[T] absolute position of each token in its sequence.
+            attn: paging metadata for the batch.
+            kv_caches: one buffer per layer, float[num_blocks, 2, block_size, nkv, hd].
+            logits_indices: int64[R], the rows of the batch whose next token is
+                sampled (the last token of each sequence that finishes its prompt
+                or decodes). The LM head runs on these rows only.
+
+        Returns:
+            float32[R, vocab_size] logits.
+        """
+        ops, cfg = self.ops, self.config
+        hidden = ops.embedding(input_ids, self.embed_tokens)
+        residual = hidden
+        x = ops.rms_norm(hidden, self.layers[0].input_norm, cfg.rms_norm_eps)
+        for i, layer in enumerate(self.layers):
+            if i > 0:
+                ops.fused_add_rms_norm(x, residual, layer.input_norm, cfg.rms_norm_eps)
+            x = self._attention(layer, x, positions, attn, kv_caches[i])
+            ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
+            x = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
+        # Only the sampled rows need the final norm and the LM head.
+        x, residual = x[logits_indices], residual[logits_indices]
+        ops.fused_add_rms_norm(x, residual, self.final_norm, cfg.rms_norm_eps)
+        return ops.linear(x, self.lm_head)
+
+    def _attention(self, layer: LayerWeights, x: Any, positions: Any,
+                   attn: AttentionMetadata, kv_cache: Any) -> Any:
+        cfg, ops = self.config, self.ops
+        t = x.shape[0]
+        hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
+        q = qkv[:, : self.q_size].copy()
+        k = qkv[:, self.q_size: self.q_size + self.kv_size].copy()
+        v = qkv[:, self.q_size + self.kv_size:].reshape(t, nkv, hd)
+        ops.rotary_embedding(positions, q, k, self.rope_cache, hd)
+        ops.write_kv(k.reshape(t, nkv, hd), v, kv_cache, attn.slot_mapping)
+        out = ops.paged_attention(q.reshape(t, nh, hd), kv_cache, attn.block_tables,
+                                  attn.seq_lens, attn.query_start_loc, self.scale)
+        return ops.linear(out.reshape(t, nh * hd), layer.o_proj)

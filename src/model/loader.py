@@ -1,0 +1,211 @@
+"""Load Hugging Face checkpoints: ``config.json`` -> :class:`ModelConfig`, safetensors -> numpy.
+
+Supported families: ``llama``, ``mistral`` and ``qwen2`` (all share the Llama tensor
+layout; qwen2 adds q/k/v biases). Weights keep their Hugging Face names and shapes,
+``[out_features, in_features]`` for linear layers.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from kvserve.config import ModelConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+_log = structlog.get_logger()
+
+# Tensors some checkpoints carry that inference does not need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    """Read ``path/config.json`` into a :class:`ModelConfig`.
+
+    Defaults follow Hugging Face: ``num_key_value_heads`` = ``num_attention_heads``,
+    ``head_dim`` = hidden / heads, ``tie_word_embeddings`` False, ``rope_theta`` 10000,
+    ``rms_norm_eps`` 1e-6, ``attention_bias`` True for qwen2 (q/k/v biases) and the
+    ``attention_bias`` key otherwise. ``eos_token_id`` may be an int or a list; ids
+    from ``generation_config.json``, if present, are added. ``sliding_window`` is ignored.
+
+    Args:
+        path: checkpoint folder.
+
+    Raises:
+        FileNotFoundError: no ``config.json``.
+        ValueError: unsupported ``model_type`` (named in the message) or a missing key.
+    """
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{path / 'config.json'}: unsupported model_type {model_type!r} "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return ModelConfig(
+            name=path.name,
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_eos_ids(path, cfg),
+        )
+    except KeyError as exc:
+        raise ValueError(f"{path / 'config.json'}: missing key {exc.args[0]!r}") from None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    """An ``eos_token_id`` value (None, int or list of ints) as a list."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _eos_ids(path: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """EOS ids from config.json, then generation_config.json, without duplicates."""
+    ids = _as_id_list(cfg.get("eos_token_id"))
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        ids += _as_id_list(json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))
+
+
+def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Required tensor names and their HF shapes for ``config``.
+
+    ``lm_head.weight`` is included only when the embeddings are not tied; q/k/v
+    biases only when ``config.attention_bias``.
+    """
+    h, hd, ffn = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    layer = {
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (ffn, h), "mlp.up_proj.weight": (ffn, h),
+        "mlp.down_proj.weight": (h, ffn),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+    }
+    if config.attention_bias:
+        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                      "self_attn.v_proj.bias": (kv,)})
+    for i in range(config.num_hidden_layers):
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+    return shapes
+
+
+def _optional_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Tensors that may be present but are not required (tied lm_head, llama o_proj bias)."""
+    opt: dict[str, tuple[int, ...]] = {}
+    if config.tie_word_embeddings:
+        opt["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    if config.attention_bias:
+        for i in range(config.num_hidden_layers):
+            opt[f"model.layers.{i}.self_attn.o_proj.bias"] = (config.hidden_size,)
+    return opt
+
+
+def load_weights(path: Path, config: ModelConfig, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    """Load every ``*.safetensors`` file in ``path`` as numpy arrays of ``dtype``.
+
+    BF16, F16, F32 and F64 tensors are accepted (BF16 is widened to float32 before
+    the cast). Unneeded tensors (``rotary_emb.inv_freq``) are dropped; other unknown
+    names are dropped with a warning event.
+
+    Args:
+        path: checkpoint folder.
+        config: the model's config, to check names and shapes.
+        dtype: numpy dtype of the returned arrays (default float32).
+
+    Returns:
+        ``{hf_name: array}``, C-contiguous, HF shapes (``[out, in]`` for linear layers).
+        With tied embeddings ``lm_head.weight`` is usually absent.
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` file in ``path``.
+        ValueError: a required tensor is missing, a shape is wrong, a name appears in
+            two files, or a dtype is unsupported; the message names file and tensor.
+    """
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {path}")
+    shapes = expected_tensor_shapes(config)
+    shapes.update(_optional_tensor_shapes(config))
+    weights: dict[str, np.ndarray] = {}
+    origin: dict[str, Path] = {}
+    for file in files:
+        for name, arr in _read_safetensors(file).items():
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name not in shapes:
+                _log.warning("unexpected_tensor_dropped", file=str(file), tensor=name)
+                continue
+            if name in weights:
+                raise ValueError(f"tensor {name!r} appears in both {origin[name]} and {file}")
+            if tuple(arr.shape) != shapes[name]:
+                raise ValueError(f"{file}: tensor {name!r} has shape {tuple(arr.shape)}, "
+                                 f"expected {shapes[name]}")
+            weights[name] = np.ascontiguousarray(arr, dtype=dtype)
+            origin[name] = file
+    missing = [n for n in expected_tensor_shapes(config) if n not in weights]
+    if missing:
+        raise ValueError(f"{path}: missing tensor {missing[0]!r}"
+                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    return weights
+
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    """Read one safetensors file into numpy (float32 for BF16, native dtype otherwise).
+
+    Parses the header directly so that BF16 works (``safetensors.numpy`` cannot
+    represent it): BF16 bits are the high half of a float32, so ``u16 << 16`` is exact.
+    """
+    with open(file, "rb") as handle:
+        (header_len,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(header_len))
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            base = 8 + header_len
+            out = {}
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                np_dtype = _DTYPES.get(info["dtype"])
+                if np_dtype is None:
+                    raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']}")
+                start, end = info["data_offsets"]
+                arr = np.frombuffer(buf, dtype=np_dtype, count=(end - start) // np.dtype(np_dtype).itemsize,
+                                    offset=base + start).reshape(info["shape"])
+                if info["dtype"] == "BF16":
+                    arr = (arr.astype(np.uint32) << 16).view(np.float32)
+                else:
+                    arr = arr.copy()  # detach from the mmap before it closes
+                out[name] = arr
+    return out

@@ -1,0 +1,148 @@
+"""The ops interface that the model code (``kvserve.model.llama``) is written against.
+
+Each backend (``kvserve.cpu.ops.CpuOps``, the CUDA backend) implements
+:class:`Ops`.  Arrays are backend arrays (NumPy on the CPU, CuPy on CUDA);
+the shapes below use T = tokens in the flat varlen batch (prefill chunks and
+decode tokens of S sequences mixed), H = hidden size, nh / nkv = query / KV
+heads, hd = head dim.
+
+Paged KV cache and attention metadata (DESIGN.md section 3, vLLM's layout):
+
+* ``kv_cache``: one buffer per layer,
+  ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (axis 1: 0 = K, 1 = V).
+* ``slot_mapping``: int64[T]; token t's K/V goes to block
+  ``slot // block_size``, offset ``slot % block_size``; negative = don't write.
+* ``query_start_loc``: int32[S+1]; sequence s owns the flat tokens
+  ``query_start_loc[s]:query_start_loc[s+1]`` (its new tokens this step).
+* ``seq_lens``: int32[S]; context length of s after this step (cached + new),
+  so new token i of s is at position ``seq_lens[s] - n_new_s + i``.
+* ``block_tables``: int32[S, max_blocks]; physical block ids in logical order
+  (entries beyond the used ones are ignored).
+
+Errors: inconsistent shapes, dtypes that cannot be used in place, and indices
+out of range (token ids, slots, block ids, positions) raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Ops(Protocol):
+    """Backend operations used by the model forward pass."""
+
+    name: str
+    """Backend name: ``"cpu"`` or ``"cuda"``."""
+
+    def embedding(self, token_ids: Any, table: Any) -> Any:
+        """Row lookup: ``table[token_ids]``.
+
+        token_ids: int64[T]; table: [V, H].  Returns [T, H] (table's dtype).
+        Raises ValueError for an id outside [0, V).
+        """
+        ...
+
+    def linear(self, x: Any, weight: Any, bias: Any | None = None) -> Any:
+        """``x @ weight.T (+ bias)`` (PyTorch nn.Linear convention).
+
+        x: [T, in]; weight: [out, in]; bias: [out] or None.  Returns a new
+        [T, out] array.  Raises ValueError if the inner dimensions differ.
+        """
+        ...
+
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        """``x / sqrt(mean(x**2, -1) + eps) * weight`` (HF LlamaRMSNorm).
+
+        x: [T, H]; weight: [H]; eps: float.  Returns a new [T, H] array.
+        """
+        ...
+
+    def fused_add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float) -> None:
+        """In place: ``residual += x; x[:] = rms_norm(residual, weight, eps)``.
+
+        vLLM's ``fused_add_rms_norm`` convention (one pass instead of three).
+        x, residual: [T, H], distinct contiguous buffers; weight: [H].
+        """
+        ...
+
+    def rotary_embedding(self, positions: Any, q: Any, k: Any, cos_sin_cache: Any,
+                         head_dim: int) -> None:
+        """In-place rotary position embedding of q and k, NeoX / HF style.
+
+        positions: int64[T]; q: [T, nh*hd] or [T, nh, hd]; k: [T, nkv*hd] or
+        [T, nkv, hd] (both contiguous, modified in place); cos_sin_cache:
+        [max_position, hd] from ``build_rope_cache`` (cos in the first half of
+        a row, sin in the second).  Pairs element i with i + hd/2 (HF
+        ``rotate_half``): ``x1' = x1 cos - x2 sin``, ``x2' = x2 cos + x1 sin``.
+        Raises ValueError for a position outside [0, max_position).
+        """
+        ...
+
+    def write_kv(self, k: Any, v: Any, kv_cache: Any, slot_mapping: Any) -> None:
+        """Scatter the new tokens' K/V into the paged cache.
+
+        k, v: [T, nkv, hd]; kv_cache: [num_blocks, 2, block_size, nkv, hd];
+        slot_mapping: int64[T], negative entries skipped.  Raises ValueError
+        for a slot beyond ``num_blocks * block_size``.
+        """
+        ...
+
+    def paged_attention(self, q: Any, kv_cache: Any, block_tables: Any, seq_lens: Any,
+                        query_start_loc: Any, scale: float) -> Any:
+        """Causal attention of every new token over its sequence's paged context.
+
+        q: [T, nh, hd]; kv_cache as above (the new tokens' K/V already
+        written); block_tables: int32[S, max_blocks]; seq_lens: int32[S];
+        query_start_loc: int32[S+1]; scale: usually hd ** -0.5.  GQA: query
+        head h reads KV head ``h // (nh // nkv)``.  Returns a new
+        [T, nh, hd] array; rows of tokens owned by no sequence are zero.
+        Raises ValueError on inconsistent metadata or block ids out of range.
+        """
+        ...
+
+    def silu_and_mul(self, x: Any) -> Any:
+        """``silu(x[:, :I]) * x[:, I:]`` with silu(a) = a * sigmoid(a).
+
+        x: [T, 2*I] (gate then up, as the gate_up projection).  Returns [T, I].
+        """
+        ...
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int) -> Any:
+        """One layer's zeroed KV cache, [num_blocks, 2, block_size, nkv, hd]."""
+        ...
+
+    def to_device(self, array: np.ndarray) -> Any:
+        """Host NumPy array -> backend array (the backend's compute dtype for floats)."""
+        ...
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        """Backend array -> host NumPy array."""
+        ...
+
+
+def build_rope_cache(head_dim: int, max_position: int, theta: float) -> np.ndarray:
+    """Rotary cos/sin table for positions 0..max_position-1.
+
+    Returns float32[max_position, head_dim]: row p is
+    ``[cos(p * f_0), ..., cos(p * f_{hd/2-1}), sin(p * f_0), ..., sin(p * f_{hd/2-1})]``
+    with ``f_i = theta ** (-2i / head_dim)`` (HF LlamaRotaryEmbedding's
+    inv_freq, default rope type).  Angles are computed in float64 and the
+    result cast to float32 (HF computes them in float32, so at large positions
+    the two differ by about one float32 ulp of the angle).
+
+    Raises ValueError for an odd or non-positive head_dim, a non-positive
+    max_position or theta.
+    """
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"build_rope_cache: head_dim must be positive and even, got {head_dim}")
+    if max_position <= 0:
+        raise ValueError(f"build_rope_cache: max_position must be positive, got {max_position}")
+    if not theta > 0:
+        raise ValueError(f"build_rope_cache: theta must be positive, got {theta}")
+    inv_freq = 1.0 / (float(theta) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    angles = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)

@@ -1,0 +1,165 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+It keeps a small per-request state (token ids, sampling state) between steps,
+created when the scheduler marks a request ``is_new`` (first scheduling or
+resumption after preemption) and dropped when the scheduler lists it as
+finished. From the scheduled chunks it builds the flat batch: input ids,
+positions, slot mapping, block tables, sequence lengths, query start offsets
+and the rows to sample (vLLM's "attention metadata").
+
+Runs on the worker thread; nothing here touches asyncio.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvserve.config import ModelConfig
+from kvserve.core.outputs import SchedulerOutput
+from kvserve.model.llama import AttentionMetadata, LlamaModel
+from kvserve.model.ops import Ops
+from kvserve.model.sampler import LogprobEntry, SamplingState, sample
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens of one step.
+
+    ``sampled`` maps request id -> new token ids (empty list or absent for
+    requests that only advanced a prefill chunk); ``logprobs`` maps request id
+    -> one entry per new token for requests that asked; ``forward_seconds``
+    and ``sample_seconds`` are wall-clock seconds of the two phases.
+    """
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
+    forward_seconds: float = 0.0
+    sample_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    """The flat batch of one step, as NumPy arrays (host side)."""
+
+    input_ids: np.ndarray        # int64[T]
+    positions: np.ndarray        # int64[T]
+    slot_mapping: np.ndarray     # int64[T]
+    block_tables: np.ndarray     # int32[S, max_blocks]
+    seq_lens: np.ndarray         # int32[S]
+    query_start_loc: np.ndarray  # int32[S + 1]
+    logits_indices: np.ndarray   # int64[R]
+    sample_ids: tuple[str, ...]  # request id of each sampled row
+
+
+def build_batch(scheduler_output: SchedulerOutput, block_size: int) -> BatchInputs:
+    """Flatten the scheduled chunks into one varlen batch.
+
+    Token j of a chunk starting at position p sits at position p + j; its
+    K/V slot is ``block_ids[(p + j) // block_size] * block_size +
+    (p + j) % block_size`` (the PagedAttention slot mapping, Kwon et al. 2023).
+    """
+    chunks = scheduler_output.scheduled
+    lengths = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
+    query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=query_start_loc[1:])
+    input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64,
+                            count=int(query_start_loc[-1]))
+    starts = np.array([c.start_position for c in chunks], dtype=np.int64)
+    positions = (np.arange(int(query_start_loc[-1]), dtype=np.int64)
+                 - np.repeat(query_start_loc[:-1].astype(np.int64) - starts, lengths))
+    max_blocks = max(len(c.block_ids) for c in chunks)
+    block_tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
+    for s, c in enumerate(chunks):
+        block_tables[s, : len(c.block_ids)] = c.block_ids
+    seq_index = np.repeat(np.arange(len(chunks)), lengths)
+    slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
+                    + positions % block_size)
+    sampled = [s for s, c in enumerate(chunks) if c.sample]
+    return BatchInputs(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        seq_lens=(starts + lengths).astype(np.int32),
+        query_start_loc=query_start_loc,
+        logits_indices=query_start_loc[1:][sampled].astype(np.int64) - 1,
+        sample_ids=tuple(chunks[s].request_id for s in sampled),
+    )
+
+
+class ModelRunner:
+    """Owns the model, the KV cache buffers and the per-request sampling state.
+
+    Args:
+        model_config: architecture.
+        model: the loaded ``LlamaModel``.
+        ops: the backend.
+        num_blocks: KV blocks per layer.
+        block_size: tokens per block.
+        logprobs_mode: see ``EngineConfig.logprobs_mode``.
+        seed: seed of the generator shared by unseeded requests.
+    """
+
+    def __init__(self, model_config: ModelConfig, model: LlamaModel, ops: Ops,
+                 num_blocks: int, block_size: int,
+                 logprobs_mode: str = "processed_logprobs", seed: int = 0) -> None:
+        self.config = model_config
+        self.model = model
+        self.ops = ops
+        self.block_size = block_size
+        self.logprobs_mode = logprobs_mode
+        self.kv_caches = [ops.allocate_kv_cache(num_blocks, block_size,
+                                                model_config.num_key_value_heads,
+                                                model_config.head_dim)
+                          for _ in range(model_config.num_hidden_layers)]
+        self.states: dict[str, SamplingState] = {}
+        self._generator = np.random.default_rng(seed)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: update request states, forward, sample.
+
+        Raises whatever the backend raises; the worker turns that into a
+        failed step for exactly the requests in it.
+        """
+        self._update_states(scheduler_output)
+        if not scheduler_output.scheduled:
+            return ModelRunnerOutput()
+        batch = build_batch(scheduler_output, self.block_size)
+        t0 = time.perf_counter()
+        logits = self._forward(batch)
+        t1 = time.perf_counter()
+        output = self._sample(batch, logits)
+        output.forward_seconds, output.sample_seconds = t1 - t0, time.perf_counter() - t1
+        return output
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
+            self.states.pop(request_id, None)
+        for new in scheduler_output.new_requests:
+            self.states[new.request_id] = SamplingState.create(
+                new.sampling_params, list(new.prompt_token_ids), list(new.output_token_ids),
+                self.config.eos_token_ids, self._generator)
+
+    def _forward(self, batch: BatchInputs) -> np.ndarray:
+        to = self.ops.to_device
+        attn = AttentionMetadata(slot_mapping=to(batch.slot_mapping),
+                                 block_tables=to(batch.block_tables),
+                                 seq_lens=to(batch.seq_lens),
+                                 query_start_loc=to(batch.query_start_loc))
+        logits = self.model.forward(to(batch.input_ids), to(batch.positions), attn,
+                                    self.kv_caches, to(batch.logits_indices))
+        return np.asarray(self.ops.to_numpy(logits), dtype=np.float32)
+
+    def _sample(self, batch: BatchInputs, logits: np.ndarray) -> ModelRunnerOutput:
+        states = [self.states[rid] for rid in batch.sample_ids]
+        tokens, entries = sample(logits, states, self.logprobs_mode)
+        output = ModelRunnerOutput()
+        for rid, state, token, entry in zip(batch.sample_ids, states, tokens, entries):
+            state.output_token_ids.append(token)
+            output.sampled[rid] = [token]
+            if entry is not None:
+                output.logprobs[rid] = [entry]
+        return output

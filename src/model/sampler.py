@@ -1,0 +1,158 @@
+"""Token sampling from logits: greedy, temperature, top-k, top-p, min-p, penalties.
+
+Runs on the host in NumPy for every backend: a [R, vocab] float32 block is
+small next to the forward pass, and per-request options differ row by row.
+
+Order of operations follows vLLM's sampler: logit bias, min-tokens masking,
+repetition/presence/frequency penalties, then (for random sampling)
+temperature, top-k, top-p, min-p, and one draw from the request's generator.
+Greedy rows (temperature 0) take the argmax of the processed logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvserve.core.sampling_params import SamplingParams
+
+LogprobEntry = tuple[float, tuple[tuple[int, float], ...]]
+
+
+@dataclass
+class SamplingState:
+    """Per-request sampling state the runner keeps between steps.
+
+    ``generator`` gives one uniform draw per sampled token, so a seeded
+    request's text does not depend on what else is in the batch; after a
+    preemption the runner fast-forwards it by the tokens already generated.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
+    generator: np.random.Generator = field(default_factory=np.random.default_rng)
+
+    @classmethod
+    def create(cls, params: SamplingParams, prompt: list[int], output: list[int],
+               eos_token_ids: tuple[int, ...], fallback: np.random.Generator) -> SamplingState:
+        """Build the state; a seeded request gets its own generator, advanced by
+        ``len(output)`` draws so recompute after preemption continues the stream."""
+        if params.seed is not None:
+            gen = np.random.default_rng(params.seed)
+            if output:
+                gen.random(len(output))
+        else:
+            gen = fallback
+        return cls(params, list(prompt), list(output), eos_token_ids, gen)
+
+
+def apply_penalties(logits: np.ndarray, state: SamplingState) -> None:
+    """In place on one row float32[V]: logit bias, min_tokens, penalties.
+
+    Repetition penalty as in CTRL (Keskar et al. 2019) / HF: divide positive
+    logits of seen tokens (prompt and output), multiply negative ones.
+    Presence and frequency penalties as the OpenAI API reference defines:
+    ``logit -= presence * (count > 0) + frequency * count`` over output tokens.
+    """
+    p = state.params
+    for token_id, bias in p.logit_bias:
+        logits[token_id] += bias
+    if len(state.output_token_ids) < p.min_tokens:
+        banned = [t for t in (*state.eos_token_ids, *p.stop_token_ids) if t < logits.shape[0]]
+        logits[banned] = -np.inf
+    if p.repetition_penalty != 1.0:
+        seen = np.unique(np.asarray(state.prompt_token_ids + state.output_token_ids, dtype=np.int64))
+        vals = logits[seen]
+        logits[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and state.output_token_ids:
+        ids, counts = np.unique(np.asarray(state.output_token_ids, dtype=np.int64), return_counts=True)
+        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.astype(np.float32)
+
+
+def _needs_processing(p: SamplingParams) -> bool:
+    return bool(p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0
+                or p.presence_penalty or p.frequency_penalty)
+
+
+def sample_row(logits: np.ndarray, state: SamplingState) -> int:
+    """Draw one token id from processed float32[V] logits (random sampling).
+
+    Inverse-CDF sampling with exactly one uniform draw from the request's
+    generator. top-k keeps the k largest logits, top-p the smallest set whose
+    probability reaches p (Holtzman et al. 2019), min-p drops tokens below
+    ``min_p * max_prob`` (Nguyen et al. 2024).
+    """
+    p = state.params
+    scaled = logits.astype(np.float64) / p.temperature
+    candidates = np.arange(scaled.shape[0])
+    if p.top_k and 0 < p.top_k < scaled.shape[0]:
+        candidates = np.argpartition(-scaled, p.top_k - 1)[: p.top_k]
+        scaled = scaled[candidates]
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if p.min_p > 0.0:
+        probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
+    if p.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cumulative = np.cumsum(probs[order])
+        keep = cumulative - probs[order] < p.top_p * cumulative[-1]
+        order = order[keep]
+        candidates, probs = candidates[order], probs[order]
+    cdf = np.cumsum(probs)
+    u = state.generator.random() * cdf[-1]
+    index = min(int(np.searchsorted(cdf, u, side="right")), len(cdf) - 1)
+    return int(candidates[index])
+
+
+def top_logprobs(row: np.ndarray, token_id: int, k: int, mode: str) -> LogprobEntry:
+    """Logprob of the sampled token and the top-k entries of one row.
+
+    ``mode`` ``raw_logits`` returns logits instead of log-probabilities
+    (vLLM's ``--logprobs-mode``); otherwise log-softmax in float64.
+    """
+    if mode == "raw_logits":
+        values = row.astype(np.float64)
+    else:
+        shifted = row.astype(np.float64) - row.max()
+        values = shifted - np.log(np.exp(shifted).sum())
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        ids = np.argpartition(-values, k - 1)[:k]
+        ids = ids[np.argsort(-values[ids], kind="stable")]
+        top = tuple((int(i), float(values[i])) for i in ids)
+    return float(values[token_id]), top
+
+
+def sample(logits: np.ndarray, states: list[SamplingState],
+           logprobs_mode: str = "processed_logprobs") -> tuple[list[int], list[LogprobEntry | None]]:
+    """Sample one token per row.
+
+    Args:
+        logits: float32[R, V], row r belongs to ``states[r]``. Modified in place.
+        states: the rows' sampling states.
+        logprobs_mode: ``processed_logprobs`` (after penalties and temperature,
+            as the OpenAI reference describes), ``raw_logprobs`` or ``raw_logits``.
+
+    Returns:
+        (token ids, logprob entries; None where the request did not ask).
+    """
+    raw = logits.copy() if logprobs_mode.startswith("raw") and any(
+        s.params.logprobs is not None for s in states) else None
+    for r, state in enumerate(states):
+        if _needs_processing(state.params):
+            apply_penalties(logits[r], state)
+    greedy_ids = logits.argmax(axis=1)
+    tokens, entries = [], []
+    for r, state in enumerate(states):
+        p = state.params
+        token = int(greedy_ids[r]) if p.temperature == 0.0 else sample_row(logits[r], state)
+        tokens.append(token)
+        if p.logprobs is None:
+            entries.append(None)
+            continue
+        row = raw[r] if raw is not None else logits[r] / (p.temperature or 1.0)
+        entries.append(top_logprobs(row, token, p.logprobs, logprobs_mode))
+    return tokens, entries

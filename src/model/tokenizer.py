@@ -1,0 +1,184 @@
+"""Tokenizer: HF ``tokenizers`` fast tokenizer plus ``tokenizer_config.json`` and chat templates."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable
+
+import jinja2
+from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's byte -> printable-unicode table used by byte-level BPE."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def _raise_exception(message: str) -> None:
+    """``raise_exception`` helper available to chat templates, as in transformers."""
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    """``tojson`` filter that, like transformers', keeps non-ASCII text readable."""
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: ``tokenizer.json`` plus ``tokenizer_config.json``.
+
+    Token ids are Python ints. Special tokens are those the ``tokenizer.json`` marks
+    special (e.g. ``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>`` for SmolLM2).
+
+    Args:
+        path: checkpoint folder holding ``tokenizer.json`` and, optionally,
+            ``tokenizer_config.json``.
+
+    Raises:
+        FileNotFoundError: no ``tokenizer.json``.
+    """
+
+    def __init__(self, path: Path) -> None:
+        path = Path(path)
+        self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config_path = path / "tokenizer_config.json"
+        self._config: dict[str, Any] = (
+            json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {})
+        self.bos_token: str | None = _token_content(self._config.get("bos_token"))
+        self.eos_token: str | None = _token_content(self._config.get("eos_token"))
+        self.chat_template: str | None = self._config.get("chat_template")
+        self.add_bos_token: bool = bool(self._config.get("add_bos_token", False))
+        self._special_ids = frozenset(
+            i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """Id of the BOS token named in tokenizer_config.json, or None."""
+        return self._tok.token_to_id(self.bos_token) if self.bos_token else None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """Id of the EOS token named in tokenizer_config.json, or None."""
+        return self._tok.token_to_id(self.eos_token) if self.eos_token else None
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Sorted ids of all special tokens."""
+        return sorted(self._special_ids)
+
+    # ------------------------------------------------------------------ encode / decode
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``.
+
+        Special-token strings inside ``text`` (e.g. ``<|im_start|>``) map to their ids.
+        With ``add_special_tokens``, BOS is prepended only if tokenizer_config.json says
+        ``add_bos_token: true`` (SmolLM2 says false, so nothing is added).
+        """
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; special tokens are left out when ``skip_special_tokens``.
+
+        A token sequence that ends inside a multi-byte UTF-8 character decodes to
+        U+FFFD for the partial bytes; use :meth:`id_to_bytes` for incremental output.
+        """
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
+        """Vocabulary strings of ``ids`` (byte-level alphabet, e.g. ``'Ġthe'``); None if unknown."""
+        return [self._tok.id_to_token(i) for i in ids]
+
+    def id_to_bytes(self, token_id: int) -> bytes:
+        """Raw UTF-8 bytes that token ``token_id`` stands for.
+
+        Concatenating the bytes of a sequence and decoding once gives the same text as
+        :meth:`decode` with ``skip_special_tokens=False``; a single token may hold an
+        incomplete UTF-8 character (e.g. one byte of an emoji). Special and added
+        tokens give their literal text.
+
+        Raises:
+            ValueError: ``token_id`` is out of range.
+        """
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is out of range (vocab size {self.vocab_size})")
+        if token_id in self._special_ids:
+            return token.encode("utf-8")
+        table = _byte_decoder()
+        try:
+            return bytes(table[ch] for ch in token)
+        except KeyError:  # an added token outside the byte-level alphabet
+            return token.encode("utf-8")
+
+    # ------------------------------------------------------------------ chat template
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render ``messages`` with the checkpoint's Jinja chat template.
+
+        Rendering uses jinja2's ``ImmutableSandboxedEnvironment`` with ``trim_blocks``
+        and ``lstrip_blocks`` as transformers does; the template sees ``messages``,
+        ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception``
+        and any extra ``kwargs`` (e.g. ``tools``).
+
+        Returns:
+            The prompt text; encode it with :meth:`encode` (special-token strings in it
+            become their ids).
+
+        Raises:
+            ValueError: there is no chat template, the template is invalid or unsafe,
+                or it called ``raise_exception``.
+        """
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
+        try:
+            template = _compile_template(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                   **kwargs)
+        except SecurityError as exc:
+            raise ValueError(f"unsafe chat template: {exc}") from exc
+        except TemplateError as exc:
+            raise ValueError(f"chat template error: {exc}") from exc
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in a sandbox, once per distinct source."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(source)
