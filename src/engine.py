@@ -122,11 +122,11 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     _warm_up(ops)
     kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching)
     scheduler = Scheduler(replace(config.scheduler, max_model_len=max_len), kv, plan.block_size)
-    log.info(f"KV cache size: {plan.num_tokens:,} tokens", event_name="kv_cache_size",
-             num_blocks=plan.num_blocks, block_size=plan.block_size,
-             kv_bytes_per_token=plan.bytes_per_token)
-    log.info(f"Maximum concurrency for {max_len:,} tokens per request: {plan.max_concurrency:.2f}x",
-             event_name="max_concurrency", max_model_len=max_len,
+    log.info("kv_cache_size", message=f"KV cache size: {plan.num_tokens:,} tokens",
+             num_tokens=plan.num_tokens, num_blocks=plan.num_blocks,
+             block_size=plan.block_size, kv_bytes_per_token=plan.bytes_per_token)
+    log.info("max_concurrency", message=f"Maximum concurrency for {max_len:,} tokens per "
+             f"request: {plan.max_concurrency:.2f}x", max_model_len=max_len,
              max_concurrency=round(plan.max_concurrency, 2))
     log.info("engine_loaded", model=str(path), backend=config.backend,
              seconds=round(time.monotonic() - t0, 3))

@@ -94,10 +94,10 @@ class SchedulerActor(Actor):
         for event in output.preemptions:
             self.total_preemptions += 1
             self.log.warning(
-                f"Request {event.request_id} preempted (recompute): not enough KV cache space; "
-                f"total preemptions {self.total_preemptions}",
-                event_name="request_preempted", request_id=event.request_id, reason=event.reason,
-                num_blocks_freed=event.num_blocks_freed, total_preemptions=self.total_preemptions)
+                "request_preempted", request_id=event.request_id, reason=event.reason,
+                num_blocks_freed=event.num_blocks_freed, total_preemptions=self.total_preemptions,
+                message=f"Request {event.request_id} preempted (recompute): not enough KV cache "
+                        f"space; total preemptions {self.total_preemptions}")
 
     def _on_step_result(self, result: StepResult) -> None:
         self._in_flight = False
