@@ -103,13 +103,21 @@ class SchedulerActor(Actor):
         self._in_flight = False
         output: SchedulerOutput = result.scheduler_output
         if result.error is not None:
-            ids = tuple(r.request_id for r in output.scheduled)
-            updates = self.core.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-            self._emit(updates, error=result.error)
+            self._fail_step(output, result.error)
             return
         runner_output = result.runner_output
         updates = self.core.update_from_output(output, runner_output.sampled)
         self._emit(updates, runner_output.logprobs)
+
+    def _fail_step(self, output: SchedulerOutput, error: str) -> None:
+        """A step raised: fail exactly its requests, forget the prefix-cache
+        hashes of the blocks it was writing, and carry on."""
+        self.core.kv_cache_manager.evict_hashes(
+            {b for r in output.scheduled for b in r.block_ids})
+        ids = tuple(r.request_id for r in output.scheduled)
+        updates = self.core.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        self.log.error("step_failed", step_id=output.step_id, error=error, request_ids=list(ids))
+        self._emit(updates, error=error)
 
     def _emit(self, updates: list[RequestUpdate] | tuple[RequestUpdate, ...],
               logprobs: dict | None = None, error: str | None = None) -> None:

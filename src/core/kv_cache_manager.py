@@ -220,6 +220,19 @@ class BlockPool:
         content hash (only populated when the manager tracks content hashes)."""
         return sorted(self.content_index.get(block_content_hash, ()))
 
+    def evict_hashes(self, block_ids: Iterable[int]) -> None:
+        """Forget the cached hashes of these blocks (their K/V may be bad,
+        e.g. the step that was writing them failed). Blocks stay where they
+        are; a free one becomes plain free."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None:
+                continue
+            self._evict(block)
+            if block.ref_cnt == 0:  # move from the cached tail to the free head
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no block is in use;
         returns False (and changes nothing) otherwise."""
@@ -270,14 +283,15 @@ class KVCacheManager:
     Flow per request (driven by the scheduler): ``get_computed_blocks`` finds
     the cached prefix, ``allocate_slots`` takes the hit blocks and new blocks
     for the tokens to compute this step, ``cache_computed_blocks`` registers
-    blocks that became full *after* the step computed them, and ``free``
-    returns the blocks (cached ones stay reusable until evicted).
+    the blocks that this step fills, and ``free`` returns the blocks (cached
+    ones stay reusable until evicted).
 
-    Deviation from vLLM v1, on purpose: vLLM registers hashes inside
-    ``allocate_slots``, before the forward pass has written the K/V. We
-    register only blocks whose tokens are already computed, so a request
-    admitted in the same step never reads K/V that the pass has not written
-    yet, and a failed step never leaves garbage behind a valid hash.
+    As in vLLM v1, a block is registered when it is scheduled to be filled,
+    before the forward pass writes it. That is safe because every layer
+    writes the K/V of all the batch's new tokens before any attention reads
+    the cache, so a request admitted in the same step (e.g. the other samples
+    of an ``n > 1`` request) can already share the blocks. If the step fails,
+    the engine calls ``evict_hashes`` on its blocks.
 
     ``track_content_hashes=True`` also indexes each cached block by its
     position-independent content hash (``BlockPool.blocks_with_content``),
@@ -389,15 +403,19 @@ class KVCacheManager:
         self.stats.queries += request.num_tokens
         self.stats.hits += num_hit_blocks * self.block_size
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Register (hash) the request's blocks that are full of *computed*
-        tokens (``request.num_computed_tokens``) and not registered yet."""
+    def cache_computed_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Register (hash) the request's blocks that are full within its first
+        ``num_tokens`` tokens (default: ``request.num_computed_tokens``; the
+        scheduler passes the count computed by the end of the step it is
+        building) and not registered yet."""
         if not self.enable_prefix_caching:
             return
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        if num_tokens is None:
+            num_tokens = request.num_computed_tokens
+        num_full = min(num_tokens // self.block_size, len(blocks))
         start = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
@@ -426,6 +444,10 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (block ids in token order); [] if none."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def evict_hashes(self, block_ids: Iterable[int]) -> None:
+        """Drop the prefix-cache hashes of these blocks (a failed step's)."""
+        self.pool.evict_hashes(block_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached hashes (e.g. between benchmark runs); False if some

@@ -176,8 +176,13 @@ class Scheduler:
             self._preempt(victim, step)
             if victim is request:
                 return False
-        step.add(request, num_new)
+        self._add_to_step(request, num_new, step)
         return True
+
+    def _add_to_step(self, request: Request, num_new: int, step: _Step) -> None:
+        """Schedule ``num_new`` tokens and register the blocks they fill."""
+        step.add(request, num_new)
+        self.kv_cache_manager.cache_computed_blocks(request, request.num_computed_tokens + num_new)
 
     def _pick_victim(self) -> Request:
         """fcfs: the most recently admitted; priority: the worst (highest
@@ -192,6 +197,10 @@ class Scheduler:
         self.running.remove(request)
         if request.request_id in step.num_new:  # scheduled earlier this step
             step.budget += step.num_new.pop(request.request_id)
+            # Blocks registered for this step's tokens will not be computed now.
+            first_unwritten = request.num_computed_tokens // self.block_size
+            self.kv_cache_manager.evict_hashes(
+                self.kv_cache_manager.get_block_ids(request.request_id)[first_unwritten:])
         num_freed = self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -242,7 +251,7 @@ class Scheduler:
             request.num_cached_tokens = num_hit
             step.first_scheduled.append(request.request_id)
         self.running.append(request)
-        step.add(request, num_new)
+        self._add_to_step(request, num_new, step)
         step.new_requests[request.request_id] = NewRequestData(
             request.request_id, request.prompt_token_ids, tuple(request.output_token_ids),
             request.sampling_params, num_hit, resumed)
