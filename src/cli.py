@@ -1,4 +1,5 @@
-"""Command line: ``kvserve serve``, ``kvserve generate``, ``kvserve fetch-model``.
+"""Command line: ``kvserve serve``, ``kvserve generate``, ``kvserve plan``,
+``kvserve fetch-model``.
 
 The only module that turns flags into config objects (``kvserve.config``).
 """
@@ -71,7 +72,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--raw", action="store_true", help="no chat template: a plain completion")
     sub.add_parser("fetch-model", help="fetch and convert the default model; print its folder")
+    _add_plan_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub) -> None:
+    """``kvserve plan``: capacity arithmetic from config.json and safetensors headers."""
+    plan = sub.add_parser(
+        "plan", help="print weights, KV cache size and concurrency without loading weights")
+    plan.add_argument("--model", default=None,
+                      help="checkpoint folder (default: the default model, fetched if needed)")
+    plan.add_argument("--max-model-len", type=int, default=None,
+                      help="request length for the concurrency figure, in tokens "
+                           "(default: the model's max_position_embeddings)")
+    memory = plan.add_mutually_exclusive_group()
+    memory.add_argument("--kv-cache-memory", default=None,
+                        help="CPU backend: bytes for KV blocks, e.g. 1GiB (default 1GiB)")
+    memory.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="GPU: total GPU memory in GiB (plans for the cuda backend)")
+    plan.add_argument("--gpu-memory-utilization", type=float, default=None,
+                      help="GPU: fraction of the GPU memory to use (default 0.9)")
+    plan.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                      help="weights and KV dtype (CPU: float32; GPU default float16)")
+    plan.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    plan.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                      help="GPU: step token budget, for the activation estimate")
+    plan.add_argument("--max-num-seqs", type=int, default=64,
+                      help="GPU: most sequences per step, for the activation estimate")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -126,6 +154,36 @@ def _run(coro) -> None:
         asyncio.run(coro)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """Run ``kvserve plan``; prints the table (or JSON) and returns the exit
+    status (2 with a message on standard error for bad flags or memory that
+    holds no KV block)."""
+    import json
+
+    from kvserve.plan import format_plan, plan_capacity
+
+    try:
+        if args.gpu_memory_utilization is not None and args.gpu_memory_gib is None:
+            raise ValueError("--gpu-memory-utilization needs --gpu-memory-gib")
+        model = args.model
+        if model is None:
+            from kvserve.model.default_model import ensure_default_model
+            model = str(ensure_default_model())
+        plan = plan_capacity(
+            model, max_model_len=args.max_model_len,
+            kv_cache_memory=None if args.kv_cache_memory is None
+            else parse_size(args.kv_cache_memory),
+            gpu_memory_gib=args.gpu_memory_gib,
+            gpu_memory_utilization=args.gpu_memory_utilization or 0.9, dtype=args.dtype,
+            block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvserve plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvserve`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -139,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         _run(_serve(args))
     elif args.command == "generate":
         _run(_generate(args))
+    elif args.command == "plan":
+        return _plan(args)
     return 0
 
 

@@ -23,56 +23,16 @@ from kvserve.actors.scheduler import SchedulerActor
 from kvserve.actors.stream import RequestStream
 from kvserve.actors.tokenizer import TokenizerActor
 from kvserve.actors.worker import WorkerActor
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig
+from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_config, load_weights
 from kvserve.model.runner import ModelRunner
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.plan import KVCachePlan, plan_kv_cache  # noqa: F401 - re-exported
 
 log = structlog.get_logger("kvserve.engine")
-
-
-@dataclass(frozen=True)
-class KVCachePlan:
-    """How the KV cache memory divides into blocks.
-
-    ``bytes_per_token`` = 2 x layers x kv_heads x head_dim x dtype bytes;
-    ``num_blocks`` = memory // (block_size x bytes_per_token);
-    ``max_concurrency`` = KV tokens / ``max_model_len`` (how many requests of
-    full length fit at once, as vLLM reports it).
-    """
-
-    bytes_per_token: int
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the KV cache holds."""
-        return self.num_blocks * self.block_size
-
-    @property
-    def max_concurrency(self) -> float:
-        """Full-length requests that fit at once."""
-        return self.num_tokens / self.max_model_len
-
-
-def plan_kv_cache(model: ModelConfig, cache: CacheConfig, max_model_len: int,
-                  dtype_bytes: int = 4) -> KVCachePlan:
-    """Divide ``cache.kv_cache_memory`` bytes into blocks.
-
-    Raises ``ValueError`` when not even one block fits.
-    """
-    per_token = model.kv_bytes_per_token(dtype_bytes)
-    num_blocks = cache.kv_cache_memory // (cache.block_size * per_token)
-    if num_blocks < 1:
-        raise ValueError(
-            f"--kv-cache-memory {cache.kv_cache_memory} bytes holds no KV block "
-            f"(one block of {cache.block_size} tokens needs {cache.block_size * per_token} bytes)")
-    return KVCachePlan(per_token, num_blocks, cache.block_size, max_model_len)
 
 
 def _make_ops(backend: str):
@@ -108,6 +68,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     tokenizer = Tokenizer(path)
     ops = _make_ops(config.backend)
     weights = load_weights(path, model_config)
+    weights_bytes = sum(array.nbytes for array in weights.values())
     model = LlamaModel(model_config, weights, ops)
     del weights
     max_len = min(model_config.max_position_embeddings, config.scheduler.max_model_len)
@@ -129,7 +90,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
              f"request: {plan.max_concurrency:.2f}x", max_model_len=max_len,
              max_concurrency=round(plan.max_concurrency, 2))
     log.info("engine_loaded", model=str(path), backend=config.backend,
-             seconds=round(time.monotonic() - t0, 3))
+             weights_bytes=weights_bytes, seconds=round(time.monotonic() - t0, 3))
     return EngineCore(config, model_config, tokenizer, runner, scheduler, plan, max_len)
 
 

@@ -28,6 +28,11 @@ class StreamRegistry:
         """True while the client still waits for this request."""
         return request_id in self._streams
 
+    def num_samples(self, request_id: str) -> int:
+        """``n`` of an open request (1 if unknown)."""
+        stream = self._streams.get(request_id)
+        return stream.n if stream is not None else 1
+
     def put(self, request_id: str, event: StreamEvent) -> None:
         """Deliver an event; close the entry once the stream has ended."""
         stream = self._streams.get(request_id)

@@ -10,7 +10,7 @@ from kvserve.actors.messages import (
     TokenDelta,
     TokenizedRequest,
 )
-from kvserve.core.outputs import RequestUpdate, SchedulerOutput
+from kvserve.core.outputs import PrefixCacheDivergence, RequestUpdate, SchedulerOutput
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 
@@ -98,6 +98,19 @@ class SchedulerActor(Actor):
                 num_blocks_freed=event.num_blocks_freed, total_preemptions=self.total_preemptions,
                 message=f"Request {event.request_id} preempted (recompute): not enough KV cache "
                         f"space; total preemptions {self.total_preemptions}")
+        for divergence in output.divergences:
+            self._log_divergence(divergence)
+
+    def _log_divergence(self, event: PrefixCacheDivergence) -> None:
+        """One ``prefix_cache_divergence`` warning (the cache-miss explainer)."""
+        self.log.warning(
+            "prefix_cache_divergence", request_id=event.request_id, position=event.position,
+            would_hit_tokens=event.would_hit_tokens, hit_tokens=event.hit_tokens,
+            total_divergences=self.core.kv_cache_manager.stats.divergences,
+            message=f"Request {event.request_id} missed the prefix cache at token "
+                    f"{event.position}: its prompt differs from a cached one there; "
+                    f"{event.would_hit_tokens:,} tokens would have hit "
+                    f"({event.hit_tokens:,} did)")
 
     def _on_step_result(self, result: StepResult) -> None:
         self._in_flight = False

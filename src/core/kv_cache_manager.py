@@ -25,22 +25,45 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
+from typing import NamedTuple
 
 from .block_hash import content_hash, hash_request_blocks
+from .outputs import PrefixCacheDivergence
+from .prefix_explainer import find_divergence
 from .request import Request
 
 
+class BlockContent(NamedTuple):
+    """What the cache-miss explainer remembers about one cached full block.
+
+    - ``content_hash``: position-independent hash of the block's tokens alone
+      (``block_hash.content_hash``); equal for equal tokens after any prefix.
+    - ``position``: the block's index in its request (token positions
+      ``position * block_size`` onwards).
+    - ``parent_hash``: chain hash of the previous block (None for block 0),
+      to walk a cached prompt backwards.
+    - ``token_ids``: the block's tokens, to find the first differing token.
+    """
+
+    content_hash: bytes
+    position: int
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+
+
 class KVCacheBlock:
-    """One KV block's metadata: id, reference count, prefix-cache hash, and the
+    """One KV block's metadata: id, reference count, prefix-cache hash, the
+    explainer's ``content`` (None unless content hashes are tracked) and the
     links of the free queue (None while the block is not in it)."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "content_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "content", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
-        self.content_hash: bytes | None = None
+        self.content: BlockContent | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -111,6 +134,11 @@ class BlockPool:
     ``block hash -> block`` index of cached blocks.
 
     ``enable_caching=False`` turns every hash registration into a no-op.
+    Blocks registered with a ``BlockContent`` are also indexed in
+    ``content_index``: ``content hash -> position -> {block id: None}``
+    (insertion-ordered, so the most recently cached block comes last). It
+    holds exactly the cached blocks that carry content: at most
+    ``num_blocks`` entries in all.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -121,9 +149,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
-        # Secondary index for a future cache-miss explainer: position-independent
-        # content hash -> ids of cached blocks with that content.
-        self.content_index: dict[bytes, set[int]] = {}
+        self.content_index: dict[bytes, dict[int, dict[int, None]]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -159,13 +185,19 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-        if block.content_hash is not None:
-            ids = self.content_index.get(block.content_hash)
-            if ids is not None:
-                ids.discard(block.block_id)
-                if not ids:
-                    del self.content_index[block.content_hash]
-        block.block_hash = block.content_hash = None
+        if block.content is not None:
+            self._unindex_content(block)
+        block.block_hash = block.content = None
+
+    def _unindex_content(self, block: KVCacheBlock) -> None:
+        content = block.content
+        by_position = self.content_index.get(content.content_hash, {})
+        ids = by_position.get(content.position, {})
+        ids.pop(block.block_id, None)
+        if not ids:
+            by_position.pop(content.position, None)
+            if not by_position:
+                self.content_index.pop(content.content_hash, None)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add one reference to each block (a prefix-cache hit), taking a
@@ -191,8 +223,9 @@ class BlockPool:
                     self.free_queue.append(block)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes,
-                         block_content_hash: bytes | None = None) -> bool:
-        """Register a full, computed ``block`` under ``block_hash``.
+                         content: BlockContent | None = None) -> bool:
+        """Register a full, computed ``block`` under ``block_hash``, and in
+        ``content_index`` when ``content`` is given.
 
         Returns True if registered (or already registered under that hash);
         False when caching is off or another block already holds that hash
@@ -210,15 +243,40 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
-        if block_content_hash is not None:
-            block.content_hash = block_content_hash
-            self.content_index.setdefault(block_content_hash, set()).add(block.block_id)
+        if content is not None:
+            block.content = content
+            by_position = self.content_index.setdefault(content.content_hash, {})
+            by_position.setdefault(content.position, {})[block.block_id] = None
         return True
 
-    def blocks_with_content(self, block_content_hash: bytes) -> list[int]:
-        """Ids of cached blocks whose tokens have this position-independent
-        content hash (only populated when the manager tracks content hashes)."""
-        return sorted(self.content_index.get(block_content_hash, ()))
+    def blocks_with_content(self, block_content_hash: bytes,
+                            position: int | None = None) -> list[int]:
+        """Sorted ids of cached blocks whose tokens have this
+        position-independent content hash, at any position or only at block
+        index ``position`` (only populated when the manager tracks content
+        hashes)."""
+        by_position = self.content_index.get(block_content_hash, {})
+        if position is not None:
+            return sorted(by_position.get(position, ()))
+        return sorted(i for ids in by_position.values() for i in ids)
+
+    def blocks_at(self, block_content_hash: bytes, position: int,
+                  limit: int | None = None) -> list[KVCacheBlock]:
+        """Cached blocks with this content at block index ``position``, most
+        recently cached first, at most ``limit`` of them. O(number returned)."""
+        ids = self.content_index.get(block_content_hash, {}).get(position, {})
+        return [self.blocks[i] for i in islice(reversed(ids), limit)]
+
+    def child_at(self, block_content_hash: bytes, position: int,
+                 parent_hash: bytes) -> KVCacheBlock | None:
+        """The cached block with this content at block index ``position``
+        whose parent is the block hashed ``parent_hash``, or None. O(blocks
+        with that content at that position)."""
+        for block_id in self.content_index.get(block_content_hash, {}).get(position, ()):
+            block = self.blocks[block_id]
+            if block.content.parent_hash == parent_hash:
+                return block
+        return None
 
     def evict_hashes(self, block_ids: Iterable[int]) -> None:
         """Forget the cached hashes of these blocks (their K/V may be bad,
@@ -259,11 +317,14 @@ class BlockPool:
 class PrefixCacheStats:
     """Cumulative prefix-cache counters, in tokens (vLLM's
     ``prefix_cache_queries`` / ``prefix_cache_hits``), counted once per
-    admission or resume of a request. ``requests`` counts those admissions."""
+    admission or resume of a request. ``requests`` counts those admissions;
+    ``divergences`` counts the ``PrefixCacheDivergence`` events reported
+    (at most one per request, at its first admission)."""
 
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    divergences: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -293,22 +354,29 @@ class KVCacheManager:
     of an ``n > 1`` request) can already share the blocks. If the step fails,
     the engine calls ``evict_hashes`` on its blocks.
 
-    ``track_content_hashes=True`` also indexes each cached block by its
-    position-independent content hash (``BlockPool.blocks_with_content``),
-    the hook for a cache-miss explainer; it is off by default (one extra
-    SHA-256 per block).
+    ``track_content_hashes`` (default: on whenever prefix caching is on)
+    also records each cached block's ``BlockContent`` -- its
+    position-independent content hash, position, parent hash and tokens --
+    and indexes it (``BlockPool.blocks_with_content``), which the cache-miss
+    explainer (``find_divergence``, see ``prefix_explainer``) needs. Cost:
+    one extra SHA-256 per full block, computed once per request.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 track_content_hashes: bool = False) -> None:
+                 track_content_hashes: bool | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.track_content_hashes = track_content_hashes
+        if track_content_hashes is None:
+            track_content_hashes = enable_prefix_caching
+        self.track_content_hashes = track_content_hashes and enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        # request id -> content hashes of its first full blocks (memo, so each
+        # block is content-hashed once; dropped when the request is freed)
+        self.req_content_hashes: dict[str, list[bytes]] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -422,14 +490,50 @@ class KVCacheManager:
         self.update_block_hashes(request)
         for index in range(start, num_full):
             self.pool.cache_full_block(blocks[index], request.block_hashes[index],
-                                       self._content_hash(request, index))
+                                       self._block_content(request, index))
         self.num_cached_blocks[request.request_id] = num_full
 
-    def _content_hash(self, request: Request, index: int) -> bytes | None:
+    def _block_content(self, request: Request, index: int) -> BlockContent | None:
         if not self.track_content_hashes:
             return None
         size = self.block_size
-        return content_hash(request.all_token_ids[index * size:(index + 1) * size])
+        return BlockContent(
+            content_hash=self.content_hashes(request, index + 1)[index], position=index,
+            parent_hash=request.block_hashes[index - 1] if index else None,
+            token_ids=tuple(request.all_token_ids[index * size:(index + 1) * size]))
+
+    def content_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """Content hashes (``block_hash.content_hash``) of at least the
+        request's first ``num_blocks`` full blocks, memoized per request until
+        it is freed. Raises ``ValueError`` if it has fewer full blocks."""
+        if num_blocks * self.block_size > request.num_tokens:
+            raise ValueError(f"request {request.request_id!r} has fewer than "
+                             f"{num_blocks} full blocks")
+        hashes = self.req_content_hashes.setdefault(request.request_id, [])
+        size, tokens = self.block_size, request.all_token_ids
+        for index in range(len(hashes), num_blocks):
+            hashes.append(content_hash(tokens[index * size:(index + 1) * size]))
+        return hashes
+
+    def find_divergence(self, request: Request,
+                        num_hit_blocks: int) -> PrefixCacheDivergence | None:
+        """Explain a prefix-cache miss: the ``PrefixCacheDivergence`` of
+        ``request`` (whose cached prefix is ``num_hit_blocks`` blocks, from
+        ``get_computed_blocks``) against the cached prompts, or None. See
+        ``prefix_explainer.find_divergence`` for the definitions. Read-only
+        (counts nothing: the scheduler calls ``record_divergence`` for an
+        event it reports); None when content hashes are not tracked or the
+        request does not use the prefix cache."""
+        if not (self.track_content_hashes and self._uses_prefix_cache(request)):
+            return None
+        self.update_block_hashes(request)
+        return find_divergence(
+            self.pool, request.request_id, request.prompt_token_ids, request.block_hashes,
+            lambda n: self.content_hashes(request, n), num_hit_blocks, self.block_size)
+
+    def record_divergence(self, divergence: PrefixCacheDivergence) -> None:
+        """Count a reported divergence (``stats.divergences``)."""
+        self.stats.divergences += 1
 
     def free(self, request: Request | str) -> int:
         """Release every block of a request (tail blocks first, so they are
@@ -438,6 +542,7 @@ class KVCacheManager:
         request_id = request if isinstance(request, str) else request.request_id
         blocks = self.req_to_blocks.pop(request_id, [])
         self.num_cached_blocks.pop(request_id, None)
+        self.req_content_hashes.pop(request_id, None)
         self.pool.free_blocks(reversed(blocks))
         return len(blocks)
 
@@ -477,3 +582,18 @@ class KVCacheManager:
         for block_hash, block in self.pool.cached.items():
             if block.block_hash != block_hash:
                 raise RuntimeError(f"hash index points at {block} with another hash")
+        self._check_content_index()
+
+    def _check_content_index(self) -> None:
+        indexed = 0
+        for chash, by_position in self.pool.content_index.items():
+            for position, ids in by_position.items():
+                for block_id in ids:
+                    content = self.pool.blocks[block_id].content
+                    if content is None or (content.content_hash, content.position) != (
+                            chash, position):
+                        raise RuntimeError(f"content index points at block {block_id} "
+                                           "with other content")
+                    indexed += 1
+        if indexed != sum(1 for b in self.pool.blocks if b.content is not None):
+            raise RuntimeError("content index does not hold exactly the blocks with content")

@@ -73,6 +73,25 @@ class PreemptionEvent:
 
 
 @dataclass(frozen=True)
+class PrefixCacheDivergence:
+    """A prefix-cache miss that a different prefix caused (the cache-miss
+    explainer, ``kvserve.core.prefix_explainer``), reported once per request
+    at its first admission.
+
+    - ``position``: 0-based token index where the prompt first differs from
+      the best-matching cached prompt.
+    - ``would_hit_tokens``: prompt tokens that would have hit had the prompt
+      been identical to that cached prompt up to where they agree again.
+    - ``hit_tokens``: prompt tokens that did hit (always < ``would_hit_tokens``).
+    """
+
+    request_id: str
+    position: int
+    would_hit_tokens: int
+    hit_tokens: int
+
+
+@dataclass(frozen=True)
 class RequestUpdate:
     """What changed for one request: new tokens and/or that it finished.
 
@@ -125,6 +144,8 @@ class SchedulerOutput:
       in the prefix cache by admissions of this step.
     - ``kv_cache_usage``: fraction (0..1) of blocks in use after scheduling.
     - ``num_running`` / ``num_waiting``: queue lengths after scheduling.
+    - ``divergences``: prefix-cache divergences of the requests admitted for
+      the first time in this step (see ``PrefixCacheDivergence``).
     """
 
     step_id: int
@@ -142,6 +163,7 @@ class SchedulerOutput:
     kv_cache_usage: float
     num_running: int
     num_waiting: int
+    divergences: tuple[PrefixCacheDivergence, ...] = ()
 
     @property
     def is_empty(self) -> bool:

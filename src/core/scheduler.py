@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from ..config import SchedulerConfig
 from .kv_cache_manager import KVCacheManager, cdiv
-from .outputs import (NewRequestData, PreemptionEvent, RequestUpdate, ScheduledRequest,
-                      SchedulerOutput)
+from .outputs import (NewRequestData, PreemptionEvent, PrefixCacheDivergence, RequestUpdate,
+                      ScheduledRequest, SchedulerOutput)
 from .request import FinishReason, Request, RequestStatus, check_stop
 from .request_queue import create_queue
 
@@ -37,6 +37,7 @@ class _Step:
     first_scheduled: list[str] = field(default_factory=list)
     preemptions: list[PreemptionEvent] = field(default_factory=list)
     rejected: list[RequestUpdate] = field(default_factory=list)
+    divergences: list[PrefixCacheDivergence] = field(default_factory=list)
 
     def add(self, request: Request, num_new: int) -> None:
         self.num_new[request.request_id] = num_new
@@ -237,9 +238,16 @@ class Scheduler:
         return None
 
     def _admit(self, request: Request, step: _Step) -> bool:
-        """Try to start (or resume) the head of the waiting queue."""
+        """Try to start (or resume) the head of the waiting queue.
+
+        On a first admission the cache-miss explainer runs against the cache
+        as the hit look-up saw it (before this allocation evicts anything);
+        its divergence, if any, is reported only once the request is admitted.
+        """
         manager = self.kv_cache_manager
         hit_blocks, num_hit = manager.get_computed_blocks(request)
+        first = request.num_cached_tokens < 0
+        divergence = manager.find_divergence(request, len(hit_blocks)) if first else None
         num_new = min(request.num_tokens - num_hit, step.budget)
         if manager.allocate_slots(request, num_new, hit_blocks) is None:
             return False
@@ -247,15 +255,21 @@ class Scheduler:
         resumed = request.status is RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit
-        if request.num_cached_tokens < 0:
+        if first:
             request.num_cached_tokens = num_hit
             step.first_scheduled.append(request.request_id)
+            self._report_divergence(divergence, step)
         self.running.append(request)
         self._add_to_step(request, num_new, step)
         step.new_requests[request.request_id] = NewRequestData(
             request.request_id, request.prompt_token_ids, tuple(request.output_token_ids),
             request.sampling_params, num_hit, resumed)
         return True
+
+    def _report_divergence(self, divergence: PrefixCacheDivergence | None, step: _Step) -> None:
+        if divergence is not None:
+            self.kv_cache_manager.record_divergence(divergence)
+            step.divergences.append(divergence)
 
     def _build_output(self, step: _Step, queries: int, hits: int) -> SchedulerOutput:
         scheduled = [self._scheduled_request(rid, n, rid in step.new_requests)
@@ -272,7 +286,7 @@ class Scheduler:
             num_decode_tokens=num_decode, first_scheduled_request_ids=tuple(step.first_scheduled),
             prefix_cache_queries=queries, prefix_cache_hits=hits,
             kv_cache_usage=self.kv_cache_manager.usage, num_running=len(self.running),
-            num_waiting=len(self.waiting))
+            num_waiting=len(self.waiting), divergences=tuple(step.divergences))
 
     def _scheduled_request(self, request_id: str, num_new: int, is_new: bool) -> ScheduledRequest:
         request = self.requests[request_id]

@@ -14,7 +14,10 @@ from kvserve.core.scheduler import Scheduler
 
 BS = 4
 EOS, STOP, GEN = 2, 3, 1000
-PREFIXES = ([10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30] * 12, [])
+# the second prefix is the first with one token changed (a "timestamp"), so
+# the cache-miss explainer has divergences to report
+PREFIXES = ([10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+            [10, 99, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30] * 12, [])
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -28,6 +31,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                       max_model_len=40, policy=policy)
         self.sched = Scheduler(self.config, self.manager, BS)
         self.count = 0
+        self.diverged = set()
 
     @rule(prefix=st.sampled_from(range(len(PREFIXES))), prefix_len=st.integers(0, 12),
           tail=st.lists(st.integers(4, 9), max_size=10), max_tokens=st.integers(1, 6),
@@ -69,6 +73,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not set(ids) & {p.request_id for p in out.preemptions}
         if out.preemptions:
             assert not out.new_requests
+        self._check_divergences(out)
         seen_prefill = False
         for s in out.scheduled:
             req = self.sched.requests[s.request_id]
@@ -81,6 +86,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             is_decode = not s.is_new and s.start_position >= req.num_prompt_tokens
             assert not (seen_prefill and is_decode), "a decode after a prefill chunk"
             seen_prefill = seen_prefill or not is_decode
+
+    def _check_divergences(self, out):
+        first = set(out.first_scheduled_request_ids)
+        for d in out.divergences:
+            req = self.sched.requests[d.request_id]
+            assert d.request_id in first and d.request_id not in self.diverged
+            self.diverged.add(d.request_id)
+            assert d.hit_tokens == req.num_cached_tokens and d.hit_tokens % BS == 0
+            assert d.hit_tokens <= d.position < d.hit_tokens + BS
+            assert d.hit_tokens < d.would_hit_tokens <= (req.num_prompt_tokens - 1) // BS * BS
+        assert self.manager.stats.divergences == len(self.diverged)
 
     @invariant()
     def blocks_consistent(self):
