@@ -13,6 +13,18 @@ import sys
 import structlog
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at the time of the write (so a
+    logger configured once keeps working when stderr is swapped, e.g. by
+    pytest's capture)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(fmt: str = "json", level: str = "info", stream=None) -> None:
     """Configure structlog (and the stdlib root logger, for uvicorn's lines).
 
@@ -40,7 +52,7 @@ def configure_logging(fmt: str = "json", level: str = "info", stream=None) -> No
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(stream or _CurrentStderr()),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=numeric, stream=stream or sys.stderr, format="%(message)s")
+    logging.basicConfig(level=numeric, stream=stream or _CurrentStderr(), format="%(message)s")
