@@ -91,15 +91,31 @@ class FCFSQueue(RequestQueue):
         return iter(list(self._queue))
 
 
-class PriorityQueue(RequestQueue):
-    """Heap ordered by ``(priority, arrival_time, insertion number)``; lower first."""
+def priority_key(request: Request, aging_seconds: float | None = None) -> tuple[float, float]:
+    """Service order under ``priority``: lower first.
 
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
+    Without aging: ``(priority, arrival_time)``. With aging every ``S``
+    seconds, a request's effective priority at time t is
+    ``priority - (t - arrival_time) / S`` (one level better per S seconds
+    waited). Every request ages at the same rate, so ordering by it at any t
+    equals ordering by the time-free key ``priority + arrival_time / S``,
+    which a heap can keep.
+    """
+    if aging_seconds:
+        return (request.priority + request.arrival_time / aging_seconds, request.arrival_time)
+    return (request.priority, request.arrival_time)
+
+
+class PriorityQueue(RequestQueue):
+    """Heap ordered by ``priority_key`` then insertion number; lower first."""
+
+    def __init__(self, aging_seconds: float | None = None) -> None:
+        self.aging_seconds = aging_seconds
+        self._heap: list[tuple[float, float, int, Request]] = []
         self._counter = itertools.count()
 
     def add(self, request: Request) -> None:
-        entry = (request.priority, request.arrival_time, next(self._counter), request)
+        entry = (*priority_key(request, self.aging_seconds), next(self._counter), request)
         heapq.heappush(self._heap, entry)
 
     def prepend(self, request: Request) -> None:
@@ -131,10 +147,11 @@ class PriorityQueue(RequestQueue):
         return iter([entry[3] for entry in sorted(self._heap, key=lambda e: e[:3])])
 
 
-def create_queue(policy: str) -> RequestQueue:
-    """A queue for ``policy`` (``"fcfs"`` or ``"priority"``); ``ValueError`` otherwise."""
+def create_queue(policy: str, aging_seconds: float | None = None) -> RequestQueue:
+    """A queue for ``policy`` (``"fcfs"`` or ``"priority"``, the latter with
+    optional aging); ``ValueError`` otherwise."""
     if policy == "fcfs":
         return FCFSQueue()
     if policy == "priority":
-        return PriorityQueue()
+        return PriorityQueue(aging_seconds)
     raise ValueError(f"scheduling policy must be fcfs or priority, got {policy!r}")

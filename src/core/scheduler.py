@@ -24,7 +24,7 @@ from .kv_cache_manager import KVCacheManager, cdiv
 from .outputs import (NewRequestData, PreemptionEvent, PrefixCacheDivergence, RequestUpdate,
                       ScheduledRequest, SchedulerOutput)
 from .request import FinishReason, Request, RequestStatus, check_stop
-from .request_queue import create_queue
+from .request_queue import create_queue, priority_key
 
 
 @dataclass
@@ -43,6 +43,10 @@ class _Step:
         self.num_new[request.request_id] = num_new
         self.budget -= num_new
 
+    @property
+    def preempted_ids(self) -> set[str]:
+        return {event.request_id for event in self.preemptions}
+
 
 class Scheduler:
     """Decides, each step, which tokens of which requests the model computes.
@@ -59,7 +63,8 @@ class Scheduler:
         self.config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
-        self.waiting = create_queue(scheduler_config.policy)
+        self.waiting = create_queue(scheduler_config.policy,
+                                    scheduler_config.priority_aging_seconds)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: dict[str, None] = {}  # ordered set, drained each step
@@ -143,7 +148,7 @@ class Scheduler:
         queries, hits = stats.queries, stats.hits
         step = _Step(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step)
-        if not step.preemptions:
+        if not step.preemptions or self.config.policy == "priority":
             self._schedule_waiting(step)
         output = self._build_output(step, stats.queries - queries, stats.hits - hits)
         self._step_id += 1
@@ -191,7 +196,22 @@ class Scheduler:
         if self.config.policy != "priority":
             return self.running[-1]
         order = {id(r): i for i, r in enumerate(self.running)}
-        return max(self.running, key=lambda r: (r.priority, r.arrival_time, order[id(r)]))
+        return max(self.running, key=lambda r: (*self._priority_key(r), order[id(r)]))
+
+    def _priority_key(self, request: Request) -> tuple[float, float]:
+        return priority_key(request, self.config.priority_aging_seconds)
+
+    def _preempt_for(self, request: Request, step: _Step) -> bool:
+        """Under ``priority``: make room for a waiting ``request`` by
+        preempting the worst running request, if ``request`` is strictly
+        better. Returns True if something was preempted."""
+        if self.config.policy != "priority" or not self.running:
+            return False
+        victim = self._pick_victim()
+        if self._priority_key(victim) <= self._priority_key(request):
+            return False
+        self._preempt(victim, step)
+        return True
 
     def _preempt(self, request: Request, step: _Step) -> None:
         """Preempt by recompute: free all blocks and requeue at the front."""
@@ -211,15 +231,24 @@ class Scheduler:
         step.preemptions.append(PreemptionEvent(request.request_id, "kv_cache_full", num_freed))
 
     def _schedule_waiting(self, step: _Step) -> None:
-        while (self.waiting and step.budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        """Admit waiting requests in queue order while budget, sequence slots
+        and blocks allow. Under ``priority`` a waiting request that finds no
+        slot or no blocks preempts worse running requests (vLLM's priority
+        scheduling)."""
+        while self.waiting and step.budget > 0:
             request = self.waiting.peek()
+            if request.request_id in step.preempted_ids:
+                return  # preempted this step: never recompute it in the same step
             error = self._reject_reason(request)
             if error is not None:
                 self.waiting.pop()
                 step.rejected.append(self._finish(request, RequestStatus.FINISHED_ERROR, error))
                 continue
-            if not self._admit(request, step):
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._preempt_for(request, step):
+                    continue
+                return
+            if not self._admit(request, step) and not self._preempt_for(request, step):
                 return
 
     def _reject_reason(self, request: Request) -> str | None:

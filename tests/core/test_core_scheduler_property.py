@@ -10,6 +10,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.core.request_queue import priority_key
 from kvserve.core.scheduler import Scheduler
 
 BS = 4
@@ -71,8 +72,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         ids = [s.request_id for s in out.scheduled]
         assert len(set(ids)) == len(ids)
         assert not set(ids) & {p.request_id for p in out.preemptions}
-        if out.preemptions:
+        if out.preemptions and self.config.policy == "fcfs":
             assert not out.new_requests
+        if out.preemptions and self.config.policy == "priority":
+            # Only requests that go before every preempted one may be admitted.
+            worst_new = max((self._key(n.request_id) for n in out.new_requests), default=None)
+            best_preempted = min(self._key(p.request_id) for p in out.preemptions)
+            assert worst_new is None or worst_new <= best_preempted
         self._check_divergences(out)
         seen_prefill = False
         for s in out.scheduled:
@@ -86,6 +92,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             is_decode = not s.is_new and s.start_position >= req.num_prompt_tokens
             assert not (seen_prefill and is_decode), "a decode after a prefill chunk"
             seen_prefill = seen_prefill or not is_decode
+
+    def _key(self, request_id):
+        return priority_key(self.sched.requests[request_id])
 
     def _check_divergences(self, out):
         first = set(out.first_scheduled_request_ids)

@@ -1,0 +1,32 @@
+"""Fixtures for the in-process engine tests (see ``engine_harness``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from engine_harness import DEFAULT_KV_MEMORY, EngineHandle, EngineLoop
+from kvserve.config import CacheConfig
+
+
+@pytest.fixture(scope="session")
+def engine_loop(default_model_path) -> Iterator[EngineLoop]:
+    loops = EngineLoop(str(default_model_path))
+    try:
+        yield loops
+    finally:
+        loops.close()
+
+
+@pytest.fixture(scope="session")
+def default_engine(engine_loop: EngineLoop) -> EngineHandle:
+    """Prefix caching on, default budget, 182 KV blocks."""
+    return engine_loop.get()
+
+
+@pytest.fixture(scope="session")
+def no_prefix_engine(engine_loop: EngineLoop) -> EngineHandle:
+    """As ``default_engine`` with prefix caching off."""
+    return engine_loop.get(cache=CacheConfig(kv_cache_memory=DEFAULT_KV_MEMORY,
+                                             enable_prefix_caching=False))
