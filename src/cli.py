@@ -30,7 +30,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's)")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs, or priority from X-Priority / body 'priority' (lower first)")
+    p.add_argument("--priority-aging-seconds", type=float, default=None,
+                   help="under priority: a waiting request gains one level per S seconds")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="waiting-queue bound; beyond it requests get 429 with Retry-After")
+    p.add_argument("--max-waiting-tokens", type=int, default=None,
+                   help="bound on waiting prompt tokens; beyond it requests get 429")
     p.add_argument("--logprobs-mode", default="processed_logprobs",
                    choices=["processed_logprobs", "raw_logprobs", "raw_logits"])
     p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
@@ -46,7 +53,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model = str(ensure_default_model())
     scheduler = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len or 1 << 30, policy=args.scheduling_policy)
+        max_model_len=args.max_model_len or 1 << 30, policy=args.scheduling_policy,
+        priority_aging_seconds=args.priority_aging_seconds,
+        max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens)
     cache = CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                         enable_prefix_caching=args.enable_prefix_caching)
     return EngineConfig(model=model, backend=args.backend, cache=cache, scheduler=scheduler,
@@ -65,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' (or set KVSERVE_API_KEY)")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-request-bytes", type=int, default=1024 * 1024)
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="abort a request that has not finished after this many seconds")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on SIGTERM, seconds to let accepted requests finish")
     gen = sub.add_parser("generate", help="generate a completion for one prompt, in-process")
     _add_engine_args(gen)
     gen.add_argument("prompt")
@@ -108,9 +121,11 @@ async def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from kvserve.api.app import build_app
+    from kvserve.api.server import DrainingServer
     from kvserve.engine import AsyncEngine
 
-    engine = await AsyncEngine.start(engine_config_from_args(args), args.served_model_name)
+    engine = await AsyncEngine.start(engine_config_from_args(args), args.served_model_name,
+                                     request_timeout=args.request_timeout)
     server_config = ServerConfig(host=args.host, port=args.port,
                                  api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"),
                                  served_model_name=args.served_model_name,
@@ -119,7 +134,7 @@ async def _serve(args: argparse.Namespace) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                             access_log=False, timeout_graceful_shutdown=5)
     try:
-        await uvicorn.Server(config).serve()
+        await DrainingServer(config, engine, args.drain_timeout).serve()
     finally:
         await engine.shutdown()
 

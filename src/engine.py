@@ -15,9 +15,9 @@ from pathlib import Path
 
 import structlog
 
-from kvserve.actors.admission import AdmissionActor
+from kvserve.actors.admission import AdmissionActor, AdmissionLimits
 from kvserve.actors.detokenizer import DetokenizerActor
-from kvserve.actors.messages import AbortRequest, GenerateRequest
+from kvserve.actors.messages import AbortRequest, GenerateRequest, RequestFailed
 from kvserve.actors.registry import StreamRegistry
 from kvserve.actors.scheduler import SchedulerActor
 from kvserve.actors.stream import RequestStream
@@ -107,8 +107,11 @@ class AsyncEngine:
     used from one event loop (the one ``start`` ran on).
     """
 
-    def __init__(self, core: EngineCore, model_name: str | None = None) -> None:
+    def __init__(self, core: EngineCore, model_name: str | None = None,
+                 admission: AdmissionLimits | None = None,
+                 request_timeout: float | None = None) -> None:
         self.core = core
+        self.request_timeout = request_timeout
         self.tokenizer = core.tokenizer
         self.model_name = model_name or Path(core.config.model).name
         self.max_model_len = core.max_model_len
@@ -117,7 +120,11 @@ class AsyncEngine:
                                         core.max_model_len)
         self.worker = WorkerActor(core.runner, self.scheduler)
         self.detokenizer = DetokenizerActor(core.tokenizer, self.streams)
-        self.admission = AdmissionActor(self.streams, self.scheduler, self.detokenizer)
+        sched = core.scheduler
+        self.admission = AdmissionActor(
+            self.streams, self.scheduler, self.detokenizer,
+            admission or AdmissionLimits(policy=core.config.scheduler.policy),
+            waiting_load=lambda: (sched.num_waiting, sched.num_waiting_tokens))
         self.tokenizer_actor = TokenizerActor(core.tokenizer, core.max_model_len, self.streams,
                                               self.admission)
         self.scheduler.worker = self.worker
@@ -128,10 +135,18 @@ class AsyncEngine:
         self._ready = False
 
     @classmethod
-    async def start(cls, config: EngineConfig, model_name: str | None = None) -> AsyncEngine:
-        """Build the engine off the event loop, then start the actors."""
+    async def start(cls, config: EngineConfig, model_name: str | None = None,
+                    request_timeout: float | None = None) -> AsyncEngine:
+        """Build the engine off the event loop, then start the actors.
+
+        Admission limits come from ``config.scheduler`` (policy,
+        ``max_waiting_requests``, ``max_waiting_tokens``).
+        """
         core = await asyncio.to_thread(build_engine_core, config)
-        engine = cls(core, model_name)
+        sched = config.scheduler
+        limits = AdmissionLimits(policy=sched.policy, max_waiting_requests=sched.max_waiting_requests,
+                                 max_waiting_tokens=sched.max_waiting_tokens)
+        engine = cls(core, model_name, limits, request_timeout)
         engine.start_actors()
         return engine
 
@@ -148,21 +163,78 @@ class AsyncEngine:
     def generate(self, request: GenerateRequest) -> RequestStream:
         """Submit a request; its events arrive on the returned stream.
 
-        Raises ``ValueError`` if the request id is already in use.
+        Never raises for a refused request: a draining engine answers 503, a
+        request id already in use 400, both as a ``RequestFailed`` event.
+        With ``request_timeout`` set, the request is aborted when its
+        deadline passes and its stream ends with a 504 ``RequestFailed``.
         """
-        stream = self.streams.open(request.request_id, request.sampling_params.n)
+        n = request.sampling_params.n
+        refusal = self._refuse(request)
+        if refusal is not None:
+            stream = RequestStream(request.request_id, n)
+            stream.put(refusal)
+            return stream
+        stream = self.streams.open(request.request_id, n)
         self.tokenizer_actor.send(request)
+        if self.request_timeout is not None:
+            asyncio.get_running_loop().call_later(self.request_timeout, self._expire,
+                                                  request.request_id, stream)
         return stream
+
+    def _refuse(self, request: GenerateRequest) -> RequestFailed | None:
+        rid = request.request_id
+        if not self._ready:
+            return RequestFailed(rid, 503, "The server is not accepting requests "
+                                 "(starting up or draining).", type="service_unavailable")
+        if self.streams.is_open(rid):
+            return RequestFailed(rid, 400, f"Request id {rid!r} is already in use.",
+                                 param="X-Request-Id")
+        return None
+
+    def _child_ids(self, request_id: str, n: int) -> tuple[str, ...]:
+        return (request_id,) if n == 1 else tuple(f"{request_id}-{i}" for i in range(n))
+
+    def _expire(self, request_id: str, stream: RequestStream) -> None:
+        """Deadline passed: end the stream with 504 and abort the request."""
+        if self.streams.get(request_id) is not stream:
+            return  # finished (or aborted) in time
+        self.streams.fail(RequestFailed(
+            request_id, 504, f"The request did not finish within --request-timeout "
+            f"{self.request_timeout:g} s.", type="timeout", code="request_timeout"))
+        self.scheduler.send(AbortRequest(self._child_ids(request_id, stream.n), reason="abort"))
+        log.info("request_timed_out", request_id=request_id, timeout_s=self.request_timeout)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request (client gone); its blocks are freed at the next step."""
         stream = self.streams.close(request_id)
         if stream is None:
             return
-        ids = ((request_id,) if stream.n == 1
-               else tuple(f"{request_id}-{i}" for i in range(stream.n)))
-        self.scheduler.send(AbortRequest(ids, reason="abort"))
+        self.scheduler.send(AbortRequest(self._child_ids(request_id, stream.n), reason="abort"))
         log.info("request_aborted", request_id=request_id)
+
+    async def drain(self, timeout: float) -> int:
+        """Graceful drain: refuse new requests (503), let accepted ones finish
+        for up to ``timeout`` seconds, then end the rest with a 503
+        ``RequestFailed`` (nothing accepted is dropped silently).
+
+        Returns the number of requests that had to be failed.
+        """
+        self._ready = False
+        log.info("drain_started", open_requests=len(self.streams), timeout_s=timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(self.streams) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.streams.ids()
+        for request_id in left:
+            stream = self.streams.get(request_id)
+            self.streams.fail(RequestFailed(request_id, 503, "The server shut down before "
+                                            "this request finished (--drain-timeout).",
+                                            type="service_unavailable"))
+            if stream is not None:
+                self.scheduler.send(AbortRequest(self._child_ids(request_id, stream.n)))
+        log.info("drain_finished", failed_requests=len(left))
+        return len(left)
 
     async def shutdown(self) -> None:
         """Stop the actors in data-flow order."""

@@ -28,6 +28,10 @@ class StreamRegistry:
         """True while the client still waits for this request."""
         return request_id in self._streams
 
+    def get(self, request_id: str) -> RequestStream | None:
+        """The open stream of a request, or None."""
+        return self._streams.get(request_id)
+
     def num_samples(self, request_id: str) -> int:
         """``n`` of an open request (1 if unknown)."""
         stream = self._streams.get(request_id)

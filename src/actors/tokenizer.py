@@ -17,18 +17,21 @@ class PromptError(ValueError):
         self.param = param
 
 
-def check_prompt_length(num_prompt: int, max_tokens: int | None, max_model_len: int) -> None:
+def check_prompt_length(num_prompt: int, max_tokens: int | None, max_model_len: int,
+                        prompt_param: str = "prompt") -> None:
     """Refuse empty prompts and prompts that cannot fit the context.
 
     Mirrors vLLM's check: prompt + ``max_tokens`` must not exceed
-    ``max_model_len`` (tokens). Raises ``PromptError``.
+    ``max_model_len`` (tokens). ``prompt_param`` names the request field
+    that holds the prompt (``prompt`` or ``messages``). Raises ``PromptError``.
     """
     if num_prompt == 0:
-        raise PromptError("The prompt is empty.", param="prompt")
+        raise PromptError("The prompt is empty.", param=prompt_param)
     if num_prompt >= max_model_len:
         raise PromptError(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {num_prompt} tokens, which leaves no room to generate.", param="messages")
+            f"prompt has {num_prompt} tokens, which leaves no room to generate.",
+            param=prompt_param)
     if max_tokens is not None and num_prompt + max_tokens > max_model_len:
         raise PromptError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -60,7 +63,8 @@ class TokenizerActor(Actor):
         try:
             prompt_ids = self._tokenize(message)
             check_prompt_length(len(prompt_ids), message.sampling_params.max_tokens,
-                                self.max_model_len)
+                                self.max_model_len,
+                                "messages" if message.messages is not None else "prompt")
         except PromptError as exc:
             self._fail(message.request_id, str(exc), exc.param)
             return
