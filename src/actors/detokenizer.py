@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.actors.base import Actor
 from kvserve.actors.messages import AbortRequest, RequestOutput, TokenDelta, TokenizedRequest
@@ -10,14 +13,56 @@ from kvserve.actors.registry import StreamRegistry
 from kvserve.core.detokenize import IncrementalDetokenizer
 
 
+class TokenOffsets:
+    """Character offset of each token in the text its tokens decode to.
+
+    A token's offset is the number of characters completed by the tokens
+    before it: the UTF-8 bytes of the tokens (``token_bytes``) go through an
+    incremental decoder, so a token holding the second half of a character
+    starts at that character, and offsets never decrease. Tokens that the
+    text leaves out (``skipped``: special tokens under
+    ``skip_special_tokens``) add no characters.
+    """
+
+    def __init__(self, token_bytes: Callable[[int], bytes], skipped: frozenset[int]) -> None:
+        self._token_bytes = token_bytes
+        self._skipped = skipped
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.num_chars = 0
+
+    def add(self, token_id: int) -> int:
+        """The offset of ``token_id`` (appended after the tokens seen so far)."""
+        offset = self.num_chars
+        if token_id not in self._skipped:
+            self.num_chars += len(self._decoder.decode(self._token_bytes(token_id)))
+        return offset
+
+
+def token_bytes_of(tokenizer) -> Callable[[int], bytes]:
+    """``tokenizer.id_to_bytes`` when it has it, else the token's decoded text."""
+    id_to_bytes = getattr(tokenizer, "id_to_bytes", None)
+    if callable(id_to_bytes):
+        def token_bytes(token_id: int) -> bytes:
+            try:
+                return id_to_bytes(token_id)
+            except ValueError:
+                return b""
+        return token_bytes
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+
 @dataclass
 class _Sample:
     parent_id: str
     index: int
     detokenizer: IncrementalDetokenizer
+    offsets: TokenOffsets
     num_output_tokens: int = 0
+    num_emitted_chars: int = 0
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list = field(default_factory=list)
+    pending_offsets: list[int] = field(default_factory=list)
+    prompt_logprobs: tuple[Any, ...] | None = None
 
 
 class DetokenizerActor(Actor):
@@ -26,6 +71,12 @@ class DetokenizerActor(Actor):
     When a stop string matches, the sample finishes here with
     ``finish_reason="stop"`` and an ``AbortRequest(reason="stop")`` tells the
     scheduler to free its blocks.
+
+    Tokens (with their logprobs and text offsets) go out with the output
+    whose text holds their first character, so a streamed chunk's tokens
+    describe that chunk's text; tokens whose text is still held back (a
+    partial UTF-8 character, a possible stop string) wait, and the last
+    output carries all that remain.
     """
 
     name = "detokenizer"
@@ -36,6 +87,8 @@ class DetokenizerActor(Actor):
         self.streams = streams
         self.scheduler: Actor | None = None
         self._samples: dict[str, _Sample] = {}
+        self._token_bytes = token_bytes_of(tokenizer)
+        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
     async def handle(self, message: TokenizedRequest | TokenDelta) -> None:
         if isinstance(message, TokenizedRequest):
@@ -51,14 +104,19 @@ class DetokenizerActor(Actor):
             return self.tokenizer.decode(ids, skip_special_tokens=skip)
 
         detok = IncrementalDetokenizer(decode, params.stop, params.include_stop_str_in_output)
-        self._samples[request.request_id] = _Sample(request.parent_id, request.index, detok)
+        offsets = TokenOffsets(self._token_bytes, self._special_ids if skip else frozenset())
+        self._samples[request.request_id] = _Sample(request.parent_id, request.index, detok,
+                                                    offsets)
 
     def _on_delta(self, delta: TokenDelta) -> None:
         sample = self._samples.get(delta.request_id)
         if sample is None:
             return  # already finished by a stop string
+        if delta.prompt_logprobs is not None:
+            sample.prompt_logprobs = delta.prompt_logprobs
         sample.num_output_tokens += len(delta.new_token_ids)
         sample.pending_ids.extend(delta.new_token_ids)
+        sample.pending_offsets.extend(sample.offsets.add(t) for t in delta.new_token_ids)
         sample.pending_logprobs.extend(delta.logprobs or ())
         text = sample.detokenizer.update(delta.new_token_ids, finished=delta.finish_reason is not None)
         finish_reason = delta.finish_reason
@@ -72,13 +130,25 @@ class DetokenizerActor(Actor):
             self._emit(sample, delta, text.text, finish_reason)
 
     def _emit(self, sample: _Sample, delta: TokenDelta, text: str, finish_reason: str | None) -> None:
-        """Send the text with the tokens held back since the last output."""
+        """Send the text with the tokens whose first character it holds."""
+        sample.num_emitted_chars += len(text)
+        end = sample.num_emitted_chars
+        if finish_reason is not None:
+            count = len(sample.pending_ids)
+        else:
+            count = sum(1 for offset in sample.pending_offsets if offset < end)
+        ids, sample.pending_ids = sample.pending_ids[:count], sample.pending_ids[count:]
+        offsets, sample.pending_offsets = (sample.pending_offsets[:count],
+                                           sample.pending_offsets[count:])
+        logprobs, sample.pending_logprobs = (sample.pending_logprobs[:count],
+                                             sample.pending_logprobs[count:])
+        prompt_logprobs, sample.prompt_logprobs = sample.prompt_logprobs, None
         self.streams.put(sample.parent_id, RequestOutput(
             request_id=sample.parent_id, index=sample.index, text=text,
-            token_ids=tuple(sample.pending_ids), finish_reason=finish_reason,
+            token_ids=tuple(ids), finish_reason=finish_reason,
             num_prompt_tokens=delta.num_prompt_tokens,
             num_cached_tokens=delta.num_cached_tokens,
             num_output_tokens=sample.num_output_tokens,
-            logprobs=tuple(sample.pending_logprobs) or None, error=delta.error))
-        sample.pending_ids.clear()
-        sample.pending_logprobs.clear()
+            logprobs=tuple(logprobs) or None, error=delta.error,
+            text_offsets=tuple(min(offset, end) for offset in offsets),
+            prompt_logprobs=prompt_logprobs))

@@ -82,6 +82,8 @@ class TokenDelta:
     ``(sampled_logprob, ((token_id, logprob), ...top-k))``.
     ``finish_reason`` is set on the last delta: ``stop``, ``length``,
     ``abort`` or ``error`` (then ``error`` holds the message).
+    ``prompt_logprobs``: when the request asked (``echo``), one entry per
+    prompt token (None for the first), on the delta of its first token.
     """
 
     request_id: str
@@ -91,6 +93,7 @@ class TokenDelta:
     num_cached_tokens: int = 0
     logprobs: tuple[Any, ...] | None = None
     error: str | None = None
+    prompt_logprobs: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,14 @@ class RequestOutput:
     ``token_ids`` are the tokens generated since the previous output, with
     ``logprobs`` one entry per token when asked for. ``usage``-style counts
     ride along (cumulative) so the API can build OpenAI ``usage`` objects.
+
+    ``text_offsets``: the character offset of each of ``token_ids`` in the
+    sample's whole text (the concatenation of its ``text`` pieces): the
+    number of characters completed by the tokens before it, at most the
+    text's length. A token is sent with the output whose text holds its
+    first character (or with the last output), so offsets never run past
+    the text received so far. ``prompt_logprobs`` (``echo``): one entry per
+    prompt token, None for the first, on the sample's first output.
     """
 
     request_id: str
@@ -115,6 +126,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: tuple[Any, ...] | None = None
     error: str | None = None
+    text_offsets: tuple[int, ...] | None = None
+    prompt_logprobs: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True)

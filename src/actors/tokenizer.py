@@ -7,6 +7,7 @@ import dataclasses
 from kvserve.actors.base import Actor
 from kvserve.actors.messages import GenerateRequest, RequestFailed, TokenizedRequest
 from kvserve.actors.registry import StreamRegistry
+from kvserve.core.sampling_params import SEED_MIN
 
 
 class PromptError(ValueError):
@@ -61,6 +62,7 @@ class TokenizerActor(Actor):
         if not self.streams.is_open(message.request_id):
             return  # aborted before it was tokenized
         try:
+            self._check_token_ids(message)
             prompt_ids = self._tokenize(message)
             check_prompt_length(len(prompt_ids), message.sampling_params.max_tokens,
                                 self.max_model_len,
@@ -70,6 +72,16 @@ class TokenizerActor(Actor):
             return
         for child in fan_out(message, prompt_ids):
             self.admission.send(child)
+
+    def _check_token_ids(self, message: GenerateRequest) -> None:
+        """Token ids in ``logit_bias`` and ``stop_token_ids`` must be in the vocabulary."""
+        params, vocab = message.sampling_params, self.tokenizer.vocab_size
+        for param, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                           ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise PromptError(f"{param}: token id {bad[0]} is out of vocabulary "
+                                  f"[0, {vocab}).", param=param)
 
     def _tokenize(self, message: GenerateRequest) -> tuple[int, ...]:
         if message.prompt_token_ids is not None:
@@ -105,7 +117,7 @@ def fan_out(message: GenerateRequest, prompt_ids: tuple[int, ...]) -> list[Token
     for index in range(n):
         child_params = params
         if n > 1:
-            seed = None if params.seed is None else params.seed + index
+            seed = None if params.seed is None else _wrap_seed(params.seed + index)
             child_params = dataclasses.replace(params, n=1, seed=seed)
         children.append(TokenizedRequest(
             request_id=message.request_id if n == 1 else f"{message.request_id}-{index}",
@@ -113,3 +125,8 @@ def fan_out(message: GenerateRequest, prompt_ids: tuple[int, ...]) -> list[Token
             sampling_params=child_params, arrival_time=message.arrival_time,
             priority=message.priority, request_class=message.request_class))
     return children
+
+
+def _wrap_seed(seed: int) -> int:
+    """``seed`` wrapped into the signed 64-bit range ``SamplingParams`` accepts."""
+    return (seed - SEED_MIN) % 2**64 + SEED_MIN

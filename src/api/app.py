@@ -2,7 +2,8 @@
 
 Routes (OpenAI API reference, https://platform.openai.com/docs/api-reference):
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-and ``GET /health`` (200 when the engine is ready, else 503).
+and ``GET /health`` (200 when the engine is ready, else 503). vLLM's
+extensions: ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Sequence
+from importlib import metadata
+
+import anyio
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -18,10 +22,16 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.actors.stream import EngineClient
-from kvserve.api.errors import EXCEPTION_HANDLERS, error_body
-from kvserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.api.errors import EXCEPTION_HANDLERS, APIError, error_body
+from kvserve.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from kvserve.api.serving import (
     RequestHeaders,
+    check_model,
     parse_model,
     prepare,
     read_json_body,
@@ -98,11 +108,49 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
         return JSONResponse(error_body("The engine is not ready", "service_unavailable"),
                             status_code=503)
 
+    async def tokenize(request: Request) -> Response:
+        """``POST /tokenize`` (vLLM): ``{"prompt"}`` or ``{"messages"}`` ->
+        ``{"count", "max_model_len", "tokens", "token_strs"}``."""
+        data = await read_json_body(request, server_config.max_request_bytes)
+        body = parse_model(TokenizeRequest, data)
+        check_model(body.model, engine, server_config)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "Send exactly one of 'prompt' and 'messages'.",
+                           param="prompt" if body.prompt is None else "messages")
+        tokenizer = _tokenizer(engine)
+        tokens = await anyio.to_thread.run_sync(_tokenize, tokenizer, body)
+        token_strs = None
+        if body.return_token_strs:
+            token_strs = tokenizer.convert_ids_to_tokens(tokens)
+        return JSONResponse({"count": len(tokens), "max_model_len": engine.max_model_len,
+                             "tokens": tokens, "token_strs": token_strs})
+
+    async def detokenize(request: Request) -> Response:
+        """``POST /detokenize`` (vLLM): ``{"tokens": [ids]}`` -> ``{"prompt": text}``."""
+        data = await read_json_body(request, server_config.max_request_bytes)
+        body = parse_model(DetokenizeRequest, data)
+        check_model(body.model, engine, server_config)
+        tokenizer = _tokenizer(engine)
+        vocab = getattr(tokenizer, "vocab_size", None)
+        bad = [t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise APIError(400, f"Token id {bad[0]} is out of vocabulary [0, {vocab}).",
+                           param="tokens")
+        text = await anyio.to_thread.run_sync(tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
+
+    async def version(request: Request) -> Response:
+        """``GET /version`` (vLLM): ``{"version": "<kvserve version>"}``."""
+        return JSONResponse({"version": _version()})
+
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/version", version, methods=["GET"]),
         *extra_routes,
     ]
     app = Starlette(routes=routes, exception_handlers=dict(EXCEPTION_HANDLERS))
@@ -111,3 +159,33 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
     if server_config.api_key:
         app.add_middleware(BearerAuth, api_key=server_config.api_key)
     return app
+
+
+def _tokenizer(engine: EngineClient):
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None:
+        raise APIError(501, "This engine has no tokenizer.", type="server_error")
+    return tokenizer
+
+
+def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
+    """Token ids of a ``/tokenize`` body, as the engine would tokenize the prompt."""
+    if body.messages is not None:
+        if not body.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        try:
+            text = tokenizer.apply_chat_template([m.to_dict() for m in body.messages],
+                                                 add_generation_prompt=body.add_generation_prompt)
+        except ValueError as exc:
+            raise APIError(400, f"Cannot apply the chat template: {exc}",
+                           param="messages") from exc
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens))
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvserve")
+    except metadata.PackageNotFoundError:
+        from kvserve import __version__
+        return __version__

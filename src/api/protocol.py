@@ -23,10 +23,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvserve.actors.detokenizer import TokenOffsets
 from kvserve.actors.messages import RequestOutput
 from kvserve.core.sampling_params import SamplingParams
 
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
 class _Model(BaseModel):
@@ -151,11 +153,17 @@ class ChatCompletionRequest(_CommonRequest):
 
 
 class CompletionRequest(_CommonRequest):
-    """Body of ``POST /v1/completions``.
+    """Body of ``POST /v1/completions``
+    (https://platform.openai.com/docs/api-reference/completions/create).
 
     ``prompt`` is a string, a list holding one string, a list of token ids,
-    or a list holding one list of token ids (batched prompts are refused).
-    ``max_tokens`` defaults to 16 as in OpenAI's reference.
+    or a list holding one list of token ids. A batch of several prompts
+    (which OpenAI and vLLM answer with choices for each) is refused with a
+    400 naming ``prompt``: send one request per prompt, they are batched by
+    the engine anyway. ``max_tokens`` defaults to 16 as in OpenAI's
+    reference. ``echo`` puts the prompt before the completion in ``text``;
+    with ``logprobs`` the prompt's tokens come first in ``logprobs``, the
+    first one with a null logprob (nothing predicts it).
     """
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -179,16 +187,39 @@ class CompletionRequest(_CommonRequest):
         return None, tuple(prompt)
 
     def sampling_params(self) -> SamplingParams:
-        """Build ``SamplingParams``; raises ``ValueError`` for bad values."""
-        if self.echo:
-            raise ValueError("echo is not supported")
+        """Build ``SamplingParams``; raises ``ValueError`` for bad values.
+
+        ``echo`` with ``logprobs`` asks the engine for prompt logprobs too.
+        """
+        prompt_logprobs = self.logprobs if self.echo else None
         return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
-                              **self._sampling_kwargs())
+                              prompt_logprobs=prompt_logprobs, **self._sampling_kwargs())
+
+
+class TokenizeRequest(_Model):
+    """Body of ``POST /tokenize`` (vLLM's extension): either ``prompt`` (text,
+    with ``add_special_tokens``, default true) or chat ``messages`` (rendered
+    with the chat template, ``add_generation_prompt`` default true)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Model):
+    """Body of ``POST /detokenize`` (vLLM's extension): ``tokens`` -> ``prompt``."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 _FIELD_NAMES: frozenset[str] = frozenset().union(
     *(model.model_fields for model in (ChatCompletionRequest, CompletionRequest,
-                                       ChatMessage, TextPart, StreamOptions)))
+                                       ChatMessage, TextPart, StreamOptions,
+                                       TokenizeRequest, DetokenizeRequest)))
 
 
 def validation_error_param(exc: ValidationError) -> tuple[str | None, str]:
@@ -228,7 +259,11 @@ def value_error_param(message: str, fields: Sequence[str]) -> str | None:
 
 @dataclass
 class ChoiceState:
-    """What the API accumulated for one choice (``index``)."""
+    """What the API accumulated for one choice (``index``).
+
+    ``text_offsets`` has one character offset per token of ``token_ids`` in
+    the choice's text (from the engine's ``RequestOutput.text_offsets``).
+    """
 
     index: int
     text: list[str] = field(default_factory=list)
@@ -238,20 +273,39 @@ class ChoiceState:
     num_cached_tokens: int = 0
     logprobs: list[Any] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    text_offset: int = 0
+    text_offsets: list[int] = field(default_factory=list)
+    prompt_logprobs: tuple[Any, ...] | None = None
+    num_chars: int = 0
+    echoed: bool = False
 
-    def add(self, output: RequestOutput) -> None:
-        """Fold one ``RequestOutput`` of this choice in."""
+    def add(self, output: RequestOutput, token_text: TokenText | None = None) -> list[int]:
+        """Fold one ``RequestOutput`` of this choice in; returns its tokens' offsets.
+
+        An engine that sends no ``text_offsets`` gets offsets counted from
+        the token texts (``token_text``), starting where this output's text starts.
+        """
+        offsets = list(output.text_offsets) if output.text_offsets is not None else None
+        end = self.num_chars + len(output.text)
+        if offsets is None or len(offsets) != len(output.token_ids):
+            offsets, at = [], self.num_chars
+            for token_id in output.token_ids:
+                offsets.append(min(at, end))
+                at += len(token_text(token_id)) if token_text is not None else 0
+        self.num_chars = end
         self.text.append(output.text)
         self.token_ids.extend(output.token_ids)
+        self.text_offsets.extend(offsets)
         if output.logprobs:
             self.logprobs.extend(output.logprobs)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         if output.finish_reason is not None:
             self.finish_reason = output.finish_reason
         self.num_output_tokens = max(self.num_output_tokens, output.num_output_tokens,
                                      len(self.token_ids))
         self.num_prompt_tokens = max(self.num_prompt_tokens, output.num_prompt_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        return offsets
 
 
 def usage_object(choices: Sequence[ChoiceState], num_prompt_tokens: int) -> dict[str, Any]:
@@ -265,42 +319,59 @@ def usage_object(choices: Sequence[ChoiceState], num_prompt_tokens: int) -> dict
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _token_entry(token_text: TokenText, token_id: int, logprob: float) -> dict[str, Any]:
-    token = token_text(token_id)
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-
-
-def chat_logprobs(entries: Sequence[Any], token_ids: Sequence[int],
-                  token_text: TokenText, top_n: int) -> dict[str, Any]:
-    """Chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
+def chat_logprobs(entries: Sequence[Any], token_ids: Sequence[int], token_text: TokenText,
+                  token_bytes: TokenBytes, top_n: int) -> dict[str, Any]:
+    """Chat ``logprobs`` (the ``chat.completion`` object's ``choices[].logprobs``):
+    ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}``.
 
     ``entries`` are the engine's ``(sampled_logprob, ((token_id, logprob), ...))``,
     one per token of ``token_ids``; at most ``top_n`` alternatives are listed.
+    ``token`` is the token's text (U+FFFD for a token holding part of a
+    multi-byte character); ``bytes`` are the token's own UTF-8 bytes, so the
+    ``bytes`` of consecutive tokens concatenate to the text, as the OpenAI
+    reference defines them.
     """
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": token_text(token_id), "logprob": logprob,
+                "bytes": list(token_bytes(token_id))}
+
     content = []
     for token_id, (sampled, top) in zip(token_ids, entries):
-        entry = _token_entry(token_text, token_id, sampled)
-        entry["top_logprobs"] = [_token_entry(token_text, tid, lp) for tid, lp in top[:top_n]]
-        content.append(entry)
+        item = entry(token_id, sampled)
+        item["top_logprobs"] = [entry(tid, lp) for tid, lp in top[:top_n]]
+        content.append(item)
     return {"content": content, "refusal": None}
 
 
 def completion_logprobs(entries: Sequence[Any], token_ids: Sequence[int],
-                        token_text: TokenText, start_offset: int) -> dict[str, Any]:
-    """Completions ``logprobs``: parallel lists ``tokens``, ``token_logprobs``,
-    ``top_logprobs`` (one ``{token: logprob}`` dict per token) and
-    ``text_offset`` (character offset of each token in the completion text)."""
+                        offsets: Sequence[int], token_text: TokenText) -> dict[str, Any]:
+    """Completions ``logprobs`` (the ``text_completion`` object): parallel lists
+    ``tokens``, ``token_logprobs``, ``top_logprobs`` (one ``{token: logprob}``
+    dict per token: the top alternatives plus the token itself) and
+    ``text_offset`` (``offsets``: the character offset of each token in the
+    choice's ``text``). An entry of None (the first prompt token under
+    ``echo``) gives a null logprob and a null ``top_logprobs`` item.
+    """
     result: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                               "text_offset": []}
-    offset = start_offset
-    for token_id, (sampled, top) in zip(token_ids, entries):
+    for token_id, entry, offset in zip(token_ids, entries, offsets):
         token = token_text(token_id)
         result["tokens"].append(token)
-        result["token_logprobs"].append(sampled)
-        result["top_logprobs"].append({token_text(tid): lp for tid, lp in top})
         result["text_offset"].append(offset)
-        offset += len(token)
+        if entry is None:
+            result["token_logprobs"].append(None)
+            result["top_logprobs"].append(None)
+            continue
+        sampled, top = entry
+        result["token_logprobs"].append(sampled)
+        alternatives = {token_text(tid): lp for tid, lp in top}
+        alternatives.setdefault(token, sampled)
+        result["top_logprobs"].append(alternatives)
     return result
+
+
+def _merge_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    return {key: first[key] + second[key] for key in first}
 
 
 @dataclass
@@ -309,6 +380,9 @@ class Renderer:
 
     ``kind`` is ``"chat"`` or ``"completion"``; ``logprobs_top`` is the
     number of alternatives to list (None: no logprobs requested).
+    ``echo_text`` (completions ``echo``) is the prompt text put before each
+    choice's text; ``prompt_token_ids`` are set once the engine accepted
+    the request.
     """
 
     kind: Literal["chat", "completion"]
@@ -318,23 +392,48 @@ class Renderer:
     logprobs_top: int | None = None
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    token_bytes: TokenBytes | None = None
+    echo: bool = False
+    echo_text: str | None = None
+    prompt_token_ids: tuple[int, ...] = ()
 
     @property
     def object_name(self) -> str:
         """``chat.completion`` or ``text_completion``."""
         return "chat.completion" if self.kind == "chat" else "text_completion"
 
+    def _bytes(self, token_id: int) -> bytes:
+        if self.token_bytes is not None:
+            return self.token_bytes(token_id)
+        return self.token_text(token_id).encode("utf-8")
+
     def _envelope(self, object_name: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": object_name, "created": self.created,
                 "model": self.model}
 
+    def _echo_prefix(self) -> str:
+        return (self.echo_text or "") if self.echo else ""
+
     def _logprobs(self, entries: Sequence[Any], token_ids: Sequence[int],
-                  offset: int) -> dict[str, Any] | None:
+                  offsets: Sequence[int]) -> dict[str, Any] | None:
         if self.logprobs_top is None or not entries:
             return None
         if self.kind == "chat":
-            return chat_logprobs(entries, token_ids, self.token_text, self.logprobs_top)
-        return completion_logprobs(entries, token_ids, self.token_text, offset)
+            return chat_logprobs(entries, token_ids, self.token_text, self._bytes,
+                                 self.logprobs_top)
+        base = len(self._echo_prefix())
+        return completion_logprobs(entries, token_ids, [base + o for o in offsets],
+                                   self.token_text)
+
+    def _prompt_logprobs(self, prompt_entries: Sequence[Any] | None) -> dict[str, Any]:
+        """The echoed prompt's part of completions ``logprobs``."""
+        ids = self.prompt_token_ids
+        entries = list(prompt_entries or ())
+        entries = (entries + [None] * len(ids))[: len(ids)]
+        tracker = TokenOffsets(self._bytes, frozenset())
+        limit = len(self._echo_prefix())
+        offsets = [min(tracker.add(t), limit) for t in ids]
+        return completion_logprobs(entries, ids, offsets, self.token_text)
 
     def response(self, choices: Sequence[ChoiceState], num_prompt_tokens: int) -> dict[str, Any]:
         """The non-streaming ``chat.completion`` / ``text_completion`` object."""
@@ -345,14 +444,17 @@ class Renderer:
 
     def _full_choice(self, choice: ChoiceState) -> dict[str, Any]:
         text = "".join(choice.text)
-        logprobs = self._logprobs(choice.logprobs, choice.token_ids, 0)
+        logprobs = self._logprobs(choice.logprobs, choice.token_ids, choice.text_offsets)
         if self.kind == "chat" and self.logprobs_top is not None and logprobs is None:
             logprobs = {"content": [], "refusal": None}
+        if self.kind == "completion" and self.echo and self.logprobs_top is not None:
+            prompt_part = self._prompt_logprobs(choice.prompt_logprobs)
+            logprobs = prompt_part if logprobs is None else _merge_logprobs(prompt_part, logprobs)
         out: dict[str, Any] = {"index": choice.index}
         if self.kind == "chat":
             out["message"] = {"role": "assistant", "content": text, "refusal": None}
         else:
-            out["text"] = text
+            out["text"] = self._echo_prefix() + text
         out["logprobs"] = logprobs
         out["finish_reason"] = choice.finish_reason
         return out
@@ -372,17 +474,29 @@ class Renderer:
                            "logprobs": None, "finish_reason": None})
 
     def delta_chunk(self, state: ChoiceState, output: RequestOutput) -> dict[str, Any] | None:
-        """The chunk for one ``RequestOutput`` (already folded into ``state``),
-        or None when it carries no text, no logprobs and no finish_reason."""
-        logprobs = self._logprobs(output.logprobs or (), output.token_ids, state.text_offset)
-        state.text_offset += len(output.text)
-        if not output.text and logprobs is None and output.finish_reason is None:
+        """The chunk for one ``RequestOutput``, folding it into ``state``; None
+        when it carries no text, no logprobs and no finish_reason.
+
+        Under completions ``echo`` the choice's first chunk starts with the
+        prompt text (and its logprobs).
+        """
+        offsets = state.add(output, self.token_text)
+        text = output.text
+        logprobs = self._logprobs(output.logprobs or (), output.token_ids, offsets)
+        if self.kind == "completion" and self.echo and not state.echoed:
+            state.echoed = True
+            text = self._echo_prefix() + text
+            if self.logprobs_top is not None:
+                prompt_part = self._prompt_logprobs(state.prompt_logprobs)
+                logprobs = (prompt_part if logprobs is None
+                            else _merge_logprobs(prompt_part, logprobs))
+        if not text and logprobs is None and output.finish_reason is None:
             return None
         choice: dict[str, Any] = {"index": output.index}
         if self.kind == "chat":
-            choice["delta"] = {"content": output.text} if output.text else {}
+            choice["delta"] = {"content": text} if text else {}
         else:
-            choice["text"] = output.text
+            choice["text"] = text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = output.finish_reason
         return self.chunk(choice)

@@ -31,6 +31,7 @@ from kvserve.actors.messages import (
     RequestOutput,
     StreamEvent,
 )
+from kvserve.actors.detokenizer import token_bytes_of
 from kvserve.actors.stream import EngineClient, RequestStream
 from kvserve.api.errors import APIError, error_body, from_failed
 from kvserve.api.protocol import (
@@ -38,6 +39,7 @@ from kvserve.api.protocol import (
     ChoiceState,
     CompletionRequest,
     Renderer,
+    TokenBytes,
     TokenText,
     validation_error_param,
     value_error_param,
@@ -75,13 +77,18 @@ async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
         if len(body) > max_bytes:
             raise _too_large(max_bytes)
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"We could not parse the JSON body of your request: {exc}",
                        code="invalid_json") from exc
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object", code="invalid_json")
     return data
+
+
+def _reject_constant(name: str) -> Any:
+    """``NaN``/``Infinity`` are not JSON (RFC 8259); Python's parser would accept them."""
+    raise ValueError(f"{name} is not a valid JSON value")
 
 
 def _check_content_type(request: Request) -> None:
@@ -146,6 +153,15 @@ def sampling_params_or_400(body: ChatCompletionRequest | CompletionRequest) -> S
         if param == "logprobs" and getattr(body, "top_logprobs", None) is not None:
             param = "top_logprobs"
         raise APIError(400, message, param=param) from exc
+
+
+def token_bytes_for(engine: EngineClient) -> TokenBytes | None:
+    """A token's raw UTF-8 bytes (``engine.tokenizer.id_to_bytes``), or None
+    when the engine's tokenizer cannot tell (then the token text's bytes are used)."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None or not callable(getattr(tokenizer, "id_to_bytes", None)):
+        return None
+    return token_bytes_of(tokenizer)
 
 
 def token_text_for(engine: EngineClient) -> TokenText:
@@ -271,6 +287,7 @@ class Generation:
     renderer: Renderer
     accepted: RequestAccepted
     n: int
+    log_prompts: bool = False
 
     async def abort_unless_finished(self) -> None:
         """Abort the request in the engine unless its stream already ended."""
@@ -286,8 +303,16 @@ class Generation:
             if isinstance(event, RequestFailed):
                 raise from_failed(event, status=max(event.status, 500))
             if isinstance(event, RequestOutput):
-                choices.setdefault(event.index, ChoiceState(event.index)).add(event)
+                choices.setdefault(event.index, ChoiceState(event.index)).add(
+                    event, self.renderer.token_text)
+        self._log_outputs(choices)
         return self.renderer.response(list(choices.values()), len(self.accepted.prompt_token_ids))
+
+    def _log_outputs(self, choices: dict[int, ChoiceState]) -> None:
+        """With ``--log-prompts`` only: log the generated texts."""
+        if self.log_prompts:
+            log.info("api_request_output", request_id=self.stream.request_id,
+                     outputs=["".join(choices[i].text) for i in sorted(choices)])
 
     async def events(self) -> AsyncIterator[bytes]:
         """The SSE body: role chunks (chat), deltas, usage chunk, ``[DONE]``.
@@ -305,7 +330,6 @@ class Generation:
                 break
             if isinstance(event, RequestOutput):
                 state = choices.setdefault(event.index, ChoiceState(event.index))
-                state.add(event)
                 chunk = renderer.delta_chunk(state, event)
                 if chunk is not None:
                     yield sse(chunk)
@@ -313,6 +337,7 @@ class Generation:
             if renderer.include_usage:
                 yield sse(renderer.usage_chunk(list(choices.values()),
                                                len(self.accepted.prompt_token_ids)))
+            self._log_outputs(choices)
         yield sse("[DONE]")
 
 
@@ -330,6 +355,7 @@ class Prepared:
     generate: GenerateRequest
     renderer: Renderer
     stream: bool
+    log_prompts: bool = False
 
 
 async def run_generation(request: Request, engine: EngineClient, prepared: Prepared) -> Response:
@@ -351,8 +377,12 @@ async def run_generation(request: Request, engine: EngineClient, prepared: Prepa
         if not isinstance(first, RequestAccepted):
             raise APIError(500, "The engine sent output before accepting the request",
                            type="server_error")
-        generation = Generation(engine, stream, prepared.renderer, first,
-                                prepared.generate.sampling_params.n)
+        renderer = prepared.renderer
+        renderer.prompt_token_ids = tuple(first.prompt_token_ids)
+        if renderer.echo and renderer.echo_text is None:
+            renderer.echo_text = decode_prompt(engine, renderer.prompt_token_ids)
+        generation = Generation(engine, stream, renderer, first,
+                                prepared.generate.sampling_params.n, prepared.log_prompts)
         if prepared.stream:
             handed_off = True
             return EventStreamResponse(generation.events(), generation.abort_unless_finished,
@@ -374,6 +404,14 @@ async def abort_unless_finished(engine: EngineClient, stream: RequestStream) -> 
         return
     log.info("api_request_aborted", request_id=stream.request_id)
     await engine.abort(stream.request_id)
+
+
+def decode_prompt(engine: EngineClient, token_ids: tuple[int, ...]) -> str:
+    """The text of a token-id prompt (for ``echo``), special tokens included."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
 
 def new_request_id(prefix: str) -> str:
@@ -414,6 +452,13 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
     generate = GenerateRequest(request_id=request_id, sampling_params=params,
                                arrival_time=time.monotonic(), priority=priority,
                                request_class=headers.request_class, **inputs)
+    echo = isinstance(body, CompletionRequest) and body.echo
     renderer = Renderer(kind, request_id, served_model(engine, config), token_text_for(engine),
-                        logprobs_top=params.logprobs, include_usage=body.include_usage)
-    return Prepared(generate, renderer, body.stream)
+                        logprobs_top=params.logprobs, include_usage=body.include_usage,
+                        token_bytes=token_bytes_for(engine), echo=echo,
+                        echo_text=inputs.get("prompt") if echo else None)
+    if config.log_prompts:
+        log.info("api_request_prompt", request_id=request_id, prompt=inputs.get("prompt"),
+                 prompt_token_ids=inputs.get("prompt_token_ids"),
+                 messages=inputs.get("messages"), sampling_params=repr(params))
+    return Prepared(generate, renderer, body.stream, config.log_prompts)

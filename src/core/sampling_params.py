@@ -16,6 +16,13 @@ from typing import Any
 
 #: Largest ``logprobs`` / ``prompt_logprobs`` (OpenAI's limit for top logprobs).
 MAX_LOGPROBS = 20
+#: Largest ``n`` (completions per prompt). OpenAI documents no limit; every
+#: sample is a sequence of its own in the batch, so a request may not take
+#: more than this many of them (a request over it gets a 400 naming ``n``).
+MAX_N = 16
+#: ``seed`` must fit a signed 64-bit integer (as in vLLM); the generator is
+#: seeded with ``seed mod 2**64``.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 def _as_tuple(value: Any, field_name: str, item_type: type) -> tuple:
@@ -73,13 +80,14 @@ class SamplingParams:
 
     Fields (tokens are counted in tokens, not characters):
 
-    - ``n``: completions per prompt (>= 1).
+    - ``n``: completions per prompt, in [1, ``MAX_N``].
     - ``temperature``: >= 0; 0 means greedy. OpenAI documents [0, 2]; like vLLM
       we accept any non-negative value.
     - ``top_p``: nucleus mass in (0, 1]; 1 disables it.
     - ``top_k``: keep the k most likely tokens; 0 or -1 disables it.
     - ``min_p``: in [0, 1]; drop tokens below ``min_p`` x the top probability.
-    - ``seed``: per-request RNG seed, or None for the engine's generator.
+    - ``seed``: per-request RNG seed (a signed 64-bit integer), or None for
+      the engine's generator.
     - ``max_tokens``: most generated tokens (>= 1), or None for "up to the
       model's context length".
     - ``min_tokens``: EOS and ``stop_token_ids`` are ignored until this many
@@ -89,9 +97,14 @@ class SamplingParams:
     - ``ignore_eos``: keep generating past EOS.
     - ``include_stop_str_in_output``: keep the matched stop string in the text.
     - ``logprobs``: top-k logprobs per generated token, in [0, 20] or None.
+      The values are the log-softmax of the logits after logit bias,
+      penalties and temperature (temperature 0 counts as 1: greedy rows are
+      not scaled), as the OpenAI reference describes, under the engine's
+      default ``--logprobs-mode processed_logprobs``.
     - ``prompt_logprobs``: top-k logprobs per prompt token, in [0, 20] or None
       (disables prefix-cache hits for the request: every prompt token's
-      logits are needed).
+      logits are needed). Same definition, without penalties (they depend
+      on the generated tokens); the first prompt token has none.
     - ``presence_penalty`` / ``frequency_penalty``: in [-2, 2] (OpenAI).
     - ``repetition_penalty``: > 0; 1 disables it (vLLM / HF semantics).
     - ``logit_bias``: sorted ``(token_id, bias)`` pairs, bias in [-100, 100];
@@ -144,7 +157,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer or null, got {value!r}")
 
     def _check_sampling(self) -> None:
-        _check_range("n", self.n, 1, None, text=">= 1")
+        _check_range("n", self.n, 1, MAX_N)
         _check_range("temperature", self.temperature, 0.0, None, text=">= 0")
         _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_range("top_k", self.top_k, -1, None,
@@ -154,6 +167,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_range(name, value, 0, MAX_LOGPROBS)
+
+        if self.seed is not None:
+            _check_range("seed", self.seed, SEED_MIN, SEED_MAX)
 
     def _check_lengths(self) -> None:
         if self.max_tokens is not None:

@@ -13,7 +13,7 @@ Runs on the worker thread; nothing here touches asyncio.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from kvserve.config import ModelConfig
 from kvserve.core.outputs import SchedulerOutput
 from kvserve.model.llama import AttentionMetadata, LlamaModel
 from kvserve.model.ops import Ops
-from kvserve.model.sampler import LogprobEntry, SamplingState, sample
+from kvserve.model.sampler import LogprobEntry, SamplingState, prompt_logprobs, sample
 
 
 @dataclass
@@ -30,12 +30,16 @@ class ModelRunnerOutput:
 
     ``sampled`` maps request id -> new token ids (empty list or absent for
     requests that only advanced a prefill chunk); ``logprobs`` maps request id
-    -> one entry per new token for requests that asked; ``forward_seconds``
-    and ``sample_seconds`` are wall-clock seconds of the two phases.
+    -> one entry per new token for requests that asked; ``prompt_logprobs``
+    maps request id -> one entry per prompt token (None for the first), sent
+    once, in the step that samples the request's first token (chunked prefill
+    gathers them over several steps); ``forward_seconds`` and
+    ``sample_seconds`` are wall-clock seconds of the two phases.
     """
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[LogprobEntry | None]] = field(default_factory=dict)
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
 
@@ -128,12 +132,55 @@ class ModelRunner:
         if not scheduler_output.scheduled:
             return ModelRunnerOutput()
         batch = build_batch(scheduler_output, self.block_size)
+        num_sampled = len(batch.sample_ids)
+        prompt_rows = self._prompt_logprob_rows(scheduler_output, batch)
+        if prompt_rows:
+            extra = np.concatenate([rows for _, rows, _ in prompt_rows])
+            batch = replace(batch, logits_indices=np.concatenate([batch.logits_indices, extra]))
         t0 = time.perf_counter()
         logits = self._forward(batch)
         t1 = time.perf_counter()
-        output = self._sample(batch, logits)
+        self._gather_prompt_logprobs(prompt_rows, logits[num_sampled:])
+        output = self._sample(batch, logits[:num_sampled])
         output.forward_seconds, output.sample_seconds = t1 - t0, time.perf_counter() - t1
         return output
+
+    def _prompt_logprob_rows(self, scheduler_output: SchedulerOutput, batch: BatchInputs
+                             ) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """``(request id, batch rows, target token ids)`` of the prompt positions
+        whose logits score the next prompt token, for requests gathering
+        prompt logprobs: position j of a chunk scores prompt token j + 1, for
+        j + 1 < the prompt length (the last prompt position is the sampled row).
+        """
+        out = []
+        for s, chunk in enumerate(scheduler_output.scheduled):
+            state = self.states.get(chunk.request_id)
+            if state is None or state.prompt_logprobs is None:
+                continue
+            prompt = state.prompt_token_ids
+            start = chunk.start_position
+            stop = min(start + len(chunk.token_ids), len(prompt) - 1)
+            if stop <= start:
+                continue
+            # Positions before ``start`` were computed without us (cannot happen:
+            # such requests get no prefix-cache hits); their entries stay None.
+            state.prompt_logprobs.extend([None] * max(0, start + 1 - len(state.prompt_logprobs)))
+            rows = int(batch.query_start_loc[s]) + np.arange(stop - start, dtype=np.int64)
+            out.append((chunk.request_id, rows, np.asarray(prompt[start + 1:stop + 1])))
+        return out
+
+    def _gather_prompt_logprobs(self, prompt_rows: list[tuple[str, np.ndarray, np.ndarray]],
+                                logits: np.ndarray) -> None:
+        offset = 0
+        for request_id, rows, targets in prompt_rows:
+            state = self.states[request_id]
+            params = state.params
+            block = logits[offset:offset + len(rows)]
+            offset += len(rows)
+            assert state.prompt_logprobs is not None
+            state.prompt_logprobs.extend(prompt_logprobs(
+                block, targets, params.prompt_logprobs or 0, params.temperature,
+                self.logprobs_mode))
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
@@ -162,4 +209,7 @@ class ModelRunner:
             output.sampled[rid] = [token]
             if entry is not None:
                 output.logprobs[rid] = [entry]
+            if state.prompt_logprobs is not None:
+                output.prompt_logprobs[rid] = state.prompt_logprobs
+                state.prompt_logprobs = None
         return output

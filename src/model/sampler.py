@@ -34,6 +34,10 @@ class SamplingState:
     output_token_ids: list[int]
     eos_token_ids: tuple[int, ...]
     generator: np.random.Generator = field(default_factory=np.random.default_rng)
+    #: Prompt logprob entries gathered so far (chunked prefill computes them
+    #: over several steps), starting with None for the first prompt token;
+    #: None when the request did not ask or they were already delivered.
+    prompt_logprobs: list[LogprobEntry | None] | None = None
 
     @classmethod
     def create(cls, params: SamplingParams, prompt: list[int], output: list[int],
@@ -41,12 +45,15 @@ class SamplingState:
         """Build the state; a seeded request gets its own generator, advanced by
         ``len(output)`` draws so recompute after preemption continues the stream."""
         if params.seed is not None:
-            gen = np.random.default_rng(params.seed)
+            gen = np.random.default_rng(params.seed % 2**64)  # numpy wants seed >= 0
             if output:
                 gen.random(len(output))
         else:
             gen = fallback
-        return cls(params, list(prompt), list(output), eos_token_ids, gen)
+        state = cls(params, list(prompt), list(output), eos_token_ids, gen)
+        if params.prompt_logprobs is not None and not output:
+            state.prompt_logprobs = [None]  # delivered with the first sampled token
+        return state
 
 
 def apply_penalties(logits: np.ndarray, state: SamplingState) -> None:
@@ -58,10 +65,12 @@ def apply_penalties(logits: np.ndarray, state: SamplingState) -> None:
     ``logit -= presence * (count > 0) + frequency * count`` over output tokens.
     """
     p = state.params
+    vocab = logits.shape[0]
     for token_id, bias in p.logit_bias:
-        logits[token_id] += bias
+        if 0 <= token_id < vocab:  # the API refuses others; never index out of range
+            logits[token_id] += bias
     if len(state.output_token_ids) < p.min_tokens:
-        banned = [t for t in (*state.eos_token_ids, *p.stop_token_ids) if t < logits.shape[0]]
+        banned = [t for t in (*state.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
         logits[banned] = -np.inf
     if p.repetition_penalty != 1.0:
         seen = np.unique(np.asarray(state.prompt_token_ids + state.output_token_ids, dtype=np.int64))
@@ -124,6 +133,23 @@ def top_logprobs(row: np.ndarray, token_id: int, k: int, mode: str) -> LogprobEn
         ids = ids[np.argsort(-values[ids], kind="stable")]
         top = tuple((int(i), float(values[i])) for i in ids)
     return float(values[token_id]), top
+
+
+def prompt_logprobs(logits: np.ndarray, target_ids: np.ndarray, k: int, temperature: float,
+                    mode: str) -> list[LogprobEntry]:
+    """Logprob entries of prompt tokens (``echo`` / ``prompt_logprobs``).
+
+    Row r of ``logits`` (float32[P, V]) is the model's prediction at prompt
+    position j, scored against the prompt's token j + 1 (``target_ids[r]``).
+    Same definition as for sampled tokens, but without logit bias and
+    penalties (they belong to the generated tokens): the log-softmax of
+    ``logits / temperature`` (temperature 0 counts as 1) in
+    ``processed_logprobs`` mode, of the raw logits in ``raw_logprobs`` mode,
+    the raw logits themselves in ``raw_logits`` mode.
+    """
+    scale = 1.0 if mode.startswith("raw") or not temperature else 1.0 / temperature
+    return [top_logprobs(row * scale if scale != 1.0 else row, int(target), k, mode)
+            for row, target in zip(logits, target_ids)]
 
 
 def sample(logits: np.ndarray, states: list[SamplingState],

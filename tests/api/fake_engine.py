@@ -22,10 +22,23 @@ Script = Callable[[GenerateRequest], Sequence[StreamEvent]]
 
 
 class FakeTokenizer:
-    """Decodes token id ``i`` as ``"t<i>"``."""
+    """Decodes token id ``i`` as ``"t<i>"``; encodes one token per character
+    (its code point); the chat template joins ``role: content`` lines."""
+
+    vocab_size = 0x110000
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(f"t{i}" for i in ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(ch) for ch in text]
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [f"t{i}" for i in ids]
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant: " if add_generation_prompt else "")
 
 
 def accepted(request: GenerateRequest, num_prompt: int = 3) -> RequestAccepted:

@@ -177,7 +177,7 @@ async def test_completion_logprobs_streaming_and_not(client):
     assert lp["tokens"] == ["t0", "t1"]
     assert lp["token_logprobs"] == [-0.5, -0.5]
     assert lp["top_logprobs"][0] == {"t0": -0.5, "t1": -1.5}
-    assert lp["text_offset"] == [0, 2]
+    assert lp["text_offset"] == [0, 5]  # offsets in the text ("Hello" + " world")
     events = parse_sse((await client.post(
         "/v1/completions", json={**COMPLETION, "logprobs": 2, "stream": True})).text)
     offsets = [e["choices"][0]["logprobs"]["text_offset"] for e in events[:-1]]

@@ -41,10 +41,6 @@ def test_chat_logprob_bytes_rebuild_ascii_text(http) -> None:
     assert joined == content
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "src/api/protocol.py _token_entry: bytes = decode([id]).encode('utf-8'), so a token "
-    "holding part of a multi-byte character gets the bytes of U+FFFD (EF BF BD) instead of "
-    "its own bytes"))
 def test_chat_logprob_bytes_rebuild_multibyte_text(http) -> None:
     content, joined = _chat_bytes_text(http, EMOJI_CHAT)
     assert any(ord(ch) > 0xFFFF for ch in content), f"test precondition: emoji in {content!r}"
@@ -81,11 +77,6 @@ def test_completion_text_offset_ascii(http) -> None:
     assert full_offsets[0] == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "src/api/protocol.py completion_logprobs advances text_offset by len(decode([id])) per "
-    "token: a partial-character token counts as 1 char (U+FFFD), so non-streamed offsets run "
-    "past the text, and streamed ones (restarted from the real text length at each chunk, "
-    "Renderer.delta_chunk) go backwards and differ from the non-streamed ones"))
 def test_completion_text_offset_multibyte(http) -> None:
     (full_text, full_offsets), (text, offsets) = _completion_offsets(http, EMOJI_COMPLETION)
     assert text == full_text
@@ -93,3 +84,54 @@ def test_completion_text_offset_multibyte(http) -> None:
     _check_offsets(full_text, full_offsets, "non-streamed")
     _check_offsets(text, offsets, "streamed")
     assert offsets == full_offsets
+
+
+PROMPT_IDS_TEXT = ("The history of the printing press begins in the fifteenth century, when "
+                   "Johannes Gutenberg combined movable metal type with an oil-based ink.")
+
+
+def test_prompt_logprobs_same_with_chunked_prefill(e2e_engine, default_model_path) -> None:
+    """Prompt logprobs (``echo``) gathered over several chunked-prefill steps
+    equal those of a single-step prefill; the first is None, and each entry
+    scores the prompt's own next token."""
+    from e2e_support import EngineThread, make_request
+
+    from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    request = dict(prompt=PROMPT_IDS_TEXT, max_tokens=2, logprobs=2, prompt_logprobs=3)
+    whole = e2e_engine.generate(make_request(**request))
+    assert whole.failed is None
+    config = EngineConfig(model=str(default_model_path),
+                          cache=CacheConfig(kv_cache_memory=16 * 1024**2),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=8),
+                          logprobs_mode="raw_logits")
+    chunked_engine = EngineThread(config)
+    try:
+        events = chunked_engine.run(_outputs(chunked_engine.engine, make_request(**request)))
+    finally:
+        chunked_engine.close()
+    first_prompt = [e.prompt_logprobs for e in events if e.prompt_logprobs is not None]
+    assert len(first_prompt) == 1
+    chunked = first_prompt[0]
+    prompt_ids = whole.prompt_token_ids
+    assert len(prompt_ids) > 16 and len(chunked) == len(prompt_ids) and chunked[0] is None
+    assert [t for e in events for t in e.token_ids] == whole.token_ids
+    reference = _prompt_logprobs(e2e_engine, request)
+    assert reference[0] is None and len(reference) == len(prompt_ids)
+    for j, (a, b) in enumerate(zip(chunked[1:], reference[1:]), start=1):
+        assert abs(a[0] - b[0]) < 1e-3, (j, a, b)
+        assert [t for t, _ in a[1]] == [t for t, _ in b[1]] or abs(a[1][0][1] - a[1][1][1]) < 1e-3
+        assert len(a[1]) == 3
+
+
+async def _outputs(engine, request):
+    from kvserve.actors.messages import RequestOutput
+
+    return [e async for e in engine.generate(request) if isinstance(e, RequestOutput)]
+
+
+def _prompt_logprobs(e2e_engine, request: dict):
+    from e2e_support import make_request
+
+    events = e2e_engine.run(_outputs(e2e_engine.engine, make_request(**request)))
+    return next(e.prompt_logprobs for e in events if e.prompt_logprobs is not None)
