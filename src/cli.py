@@ -1,5 +1,5 @@
 """Command line: ``kvserve serve``, ``kvserve generate``, ``kvserve plan``,
-``kvserve fetch-model``.
+``kvserve fetch-model``, ``kvserve analyze LOGFILE``, ``kvserve diagnose --url URL``.
 
 The only module that turns flags into config objects (``kvserve.config``).
 """
@@ -42,7 +42,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["processed_logprobs", "raw_logprobs", "raw_logits"])
     p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
     p.add_argument("--log-format", default="json", choices=["json", "console"])
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info",
+                   help="debug adds a 'step' event per model step")
+    p.add_argument("--stats-interval", type=float, default=10.0,
+                   help="seconds between 'engine_stats' log lines (throughput, running, "
+                        "waiting, preemptions, KV usage, prefix hit rate); 0 = off")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -73,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' (or set KVSERVE_API_KEY)")
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--max-request-bytes", type=int, default=1024 * 1024)
+    serve.add_argument("--max-request-bytes", type=int, default=1024 * 1024,
+                       help="larger request bodies get 413")
+    serve.add_argument("--log-prompts", action="store_true",
+                       help="log prompts and generated texts (never logged without it)")
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="abort a request that has not finished after this many seconds")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
@@ -86,6 +93,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="no chat template: a plain completion")
     sub.add_parser("fetch-model", help="fetch and convert the default model; print its folder")
     _add_plan_parser(sub)
+    from kvserve.analysis import add_arguments as add_analyze_arguments
+    analyze = sub.add_parser("analyze", help="analyse a kvserve JSON log: phase breakdown, "
+                             "percentiles, bottleneck diagnosis, Markdown report and plots")
+    add_analyze_arguments(analyze)
+    diag = sub.add_parser("diagnose", help="diagnose a running server's bottleneck from two "
+                          "scrapes of its /metrics")
+    diag.add_argument("--url", required=True, help="server base URL (or the /metrics URL)")
+    diag.add_argument("--interval", type=float, default=10.0,
+                      help="seconds between the two scrapes")
+    diag.add_argument("--json", action="store_true", help="print JSON")
+    from kvserve.bench.replay import add_arguments as _add_bench_args  # noqa: PLC0415
+    _add_bench_args(sub.add_parser("bench", help="replay a JSONL trace against a server "
+                                   "(tools/replay.py; see tools/README.md)"))
     return parser
 
 
@@ -124,13 +144,18 @@ async def _serve(args: argparse.Namespace) -> None:
     from kvserve.api.server import DrainingServer
     from kvserve.engine import AsyncEngine
 
+    from kvserve.metrics import metrics_route
+
     engine = await AsyncEngine.start(engine_config_from_args(args), args.served_model_name,
-                                     request_timeout=args.request_timeout)
+                                     request_timeout=args.request_timeout,
+                                     stats_interval=args.stats_interval,
+                                     log_prompts=getattr(args, "log_prompts", False))
     server_config = ServerConfig(host=args.host, port=args.port,
                                  api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"),
                                  served_model_name=args.served_model_name,
-                                 max_request_bytes=args.max_request_bytes)
-    app = build_app(engine, server_config)
+                                 max_request_bytes=args.max_request_bytes,
+                                 log_prompts=args.log_prompts)
+    app = build_app(engine, server_config, extra_routes=[metrics_route(engine.metrics)])
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                             access_log=False, timeout_graceful_shutdown=5)
     try:
@@ -144,7 +169,8 @@ async def _generate(args: argparse.Namespace) -> None:
     from kvserve.core.sampling_params import SamplingParams
     from kvserve.engine import AsyncEngine
 
-    engine = await AsyncEngine.start(engine_config_from_args(args))
+    engine = await AsyncEngine.start(engine_config_from_args(args),
+                                     stats_interval=args.stats_interval)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     request = GenerateRequest(
         request_id=uuid.uuid4().hex, sampling_params=params, arrival_time=time.monotonic(),
@@ -199,6 +225,43 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diagnose(args: argparse.Namespace) -> int:
+    """Run ``kvserve diagnose``: two scrapes, the rules of ``kvserve.diagnosis``."""
+    import json
+    from dataclasses import asdict
+
+    import httpx
+
+    from kvserve.diagnosis import diagnose, features_from_scrapes
+    from kvserve.metrics import parse_metrics_text
+
+    url = args.url.rstrip("/")
+    if not url.endswith("/metrics"):
+        url += "/metrics"
+    try:
+        before = parse_metrics_text(httpx.get(url, timeout=10).raise_for_status().text)
+        time.sleep(args.interval)
+        after = parse_metrics_text(httpx.get(url, timeout=10).raise_for_status().text)
+    except httpx.HTTPError as exc:
+        print(f"kvserve diagnose: error: cannot scrape {url}: {exc}", file=sys.stderr)
+        return 2
+    features = features_from_scrapes(before, after)
+    verdicts = diagnose(features)
+    if args.json:
+        print(json.dumps({"bottleneck": verdicts[0].kind if verdicts else None,
+                          "verdicts": [v.to_dict() for v in verdicts],
+                          "features": asdict(features)}, indent=2, default=str))
+        return 0
+    print(f"Window of {args.interval:g} s: {features.num_requests} requests finished, "
+          f"{features.preemptions} preemptions.")
+    if not verdicts:
+        print("No bottleneck: the server is lightly loaded (or idle) in this window.")
+    for verdict in verdicts:
+        print()
+        print(verdict.markdown())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvserve`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -214,6 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         _run(_generate(args))
     elif args.command == "plan":
         return _plan(args)
+    elif args.command == "analyze":
+        from kvserve.analysis import run as run_analysis
+        return run_analysis(args)
+    elif args.command == "diagnose":
+        return _diagnose(args)
+    elif args.command == "bench":
+        from kvserve.bench.replay import run_cli
+        return run_cli(args)
     return 0
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import structlog
 
-from kvserve.actors.admission import AdmissionActor, AdmissionLimits
+from kvserve.actors.admission import AdmissionActor, AdmissionLimits, InTransit
 from kvserve.actors.detokenizer import DetokenizerActor
 from kvserve.actors.messages import AbortRequest, GenerateRequest, RequestFailed
 from kvserve.actors.registry import StreamRegistry
@@ -26,11 +26,13 @@ from kvserve.actors.worker import WorkerActor
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler
+from kvserve.metrics import EngineMetrics
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_config, load_weights
 from kvserve.model.runner import ModelRunner
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.plan import KVCachePlan, plan_kv_cache  # noqa: F401 - re-exported
+from kvserve.stats_logger import StatsObserver
 
 log = structlog.get_logger("kvserve.engine")
 
@@ -105,26 +107,42 @@ class AsyncEngine:
 
     Implements ``kvserve.actors.stream.EngineClient`` for the API. Must be
     used from one event loop (the one ``start`` ran on).
+
+    Observability: ``metrics`` (``kvserve.metrics.EngineMetrics``, its own
+    Prometheus registry, served as ``/metrics`` by the CLI), lifecycle and
+    step log events (``kvserve.stats_logger.StatsObserver``) and an
+    ``engine_stats`` line every ``stats_interval`` seconds (0 = off).
+    ``log_prompts`` adds the prompt to ``request_received``.
     """
 
     def __init__(self, core: EngineCore, model_name: str | None = None,
                  admission: AdmissionLimits | None = None,
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None, stats_interval: float = 10.0,
+                 log_prompts: bool = False) -> None:
         self.core = core
         self.request_timeout = request_timeout
+        self.stats_interval = stats_interval
+        self.log_prompts = log_prompts
         self.tokenizer = core.tokenizer
         self.model_name = model_name or Path(core.config.model).name
         self.max_model_len = core.max_model_len
         self.streams = StreamRegistry()
+        self.metrics = EngineMetrics(self.model_name, core.max_model_len,
+                                     core.scheduler.config.max_num_batched_tokens)
+        self.observer = StatsObserver(self.metrics)
+        self._stats_task: asyncio.Task[None] | None = None
         self.scheduler = SchedulerActor(core.scheduler, core.model_config.eos_token_ids,
                                         core.max_model_len)
+        self.scheduler.observer = self.observer
         self.worker = WorkerActor(core.runner, self.scheduler)
         self.detokenizer = DetokenizerActor(core.tokenizer, self.streams)
         sched = core.scheduler
+        self.scheduler.in_transit = InTransit()
         self.admission = AdmissionActor(
             self.streams, self.scheduler, self.detokenizer,
             admission or AdmissionLimits(policy=core.config.scheduler.policy),
-            waiting_load=lambda: (sched.num_waiting, sched.num_waiting_tokens))
+            waiting_load=lambda: (sched.num_waiting, sched.num_waiting_tokens),
+            in_transit=self.scheduler.in_transit)
         self.tokenizer_actor = TokenizerActor(core.tokenizer, core.max_model_len, self.streams,
                                               self.admission)
         self.scheduler.worker = self.worker
@@ -136,7 +154,8 @@ class AsyncEngine:
 
     @classmethod
     async def start(cls, config: EngineConfig, model_name: str | None = None,
-                    request_timeout: float | None = None) -> AsyncEngine:
+                    request_timeout: float | None = None, stats_interval: float = 10.0,
+                    log_prompts: bool = False) -> AsyncEngine:
         """Build the engine off the event loop, then start the actors.
 
         Admission limits come from ``config.scheduler`` (policy,
@@ -146,15 +165,31 @@ class AsyncEngine:
         sched = config.scheduler
         limits = AdmissionLimits(policy=sched.policy, max_waiting_requests=sched.max_waiting_requests,
                                  max_waiting_tokens=sched.max_waiting_tokens)
-        engine = cls(core, model_name, limits, request_timeout)
+        engine = cls(core, model_name, limits, request_timeout, stats_interval, log_prompts)
         engine.start_actors()
         return engine
 
     def start_actors(self) -> None:
-        """Start every actor's run loop on the running event loop."""
+        """Start every actor's run loop (and the stats logger) on the running loop."""
         for actor in self._actors:
             actor.start()
+        if self.stats_interval and self.stats_interval > 0:
+            self._stats_task = asyncio.create_task(self._log_stats_loop(), name="stats")
         self._ready = True
+
+    def log_stats(self, force: bool = False) -> dict | None:
+        """Write one ``engine_stats`` line now (see ``StatsObserver.log_stats``)."""
+        sched = self.core.scheduler
+        return self.observer.log_stats(sched.num_running, sched.num_waiting,
+                                       sched.kv_cache_manager.usage, force=force)
+
+    async def _log_stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_interval)
+            try:
+                self.log_stats()
+            except Exception:  # noqa: BLE001 - statistics must never stop the engine
+                log.exception("engine_stats_failed")
 
     def is_ready(self) -> bool:
         """True while the engine accepts requests."""
@@ -175,6 +210,10 @@ class AsyncEngine:
             stream.put(refusal)
             return stream
         stream = self.streams.open(request.request_id, n)
+        prompt = request.prompt if request.prompt is not None else (
+            request.messages if request.messages is not None else request.prompt_token_ids)
+        self.observer.on_received(request.request_id, request.arrival_time, request.priority,
+                                  request.request_class, n, prompt, self.log_prompts)
         self.tokenizer_actor.send(request)
         if self.request_timeout is not None:
             asyncio.get_running_loop().call_later(self.request_timeout, self._expire,
@@ -237,8 +276,17 @@ class AsyncEngine:
         return len(left)
 
     async def shutdown(self) -> None:
-        """Stop the actors in data-flow order."""
+        """Stop the stats logger (after a last ``engine_stats`` line) and the
+        actors in data-flow order."""
         self._ready = False
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            try:
+                await self._stats_task
+            except asyncio.CancelledError:
+                pass
+            self._stats_task = None
+            self.log_stats()
         for actor in self._actors:
             await actor.stop()
 

@@ -37,6 +37,9 @@ class SchedulerActor(Actor):
         self.detokenizer: Actor | None = None
         self._in_flight = False
         self.total_preemptions = 0
+        #: Timelines, lifecycle logs and metrics (``kvserve.stats_logger``); set by the engine.
+        self.observer = None
+        self.in_transit = None  # kvserve.actors.admission.InTransit, set by the engine
 
     async def run(self) -> None:
         """Drain the inbox, then launch a step if none is in flight."""
@@ -67,9 +70,16 @@ class SchedulerActor(Actor):
         request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
                           arrival_time=message.arrival_time, priority=message.priority,
                           eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
+        if self.in_transit is not None:
+            self.in_transit.remove(len(message.prompt_token_ids))
         self.core.add_request(request)
-        self.log.debug("request_queued", request_id=message.request_id,
-                       prompt_tokens=len(message.prompt_token_ids), priority=message.priority)
+        if self.observer is not None:
+            self.observer.on_queued(message.request_id, message.parent_id, message.arrival_time,
+                                    len(message.prompt_token_ids), message.priority,
+                                    message.request_class)
+        else:
+            self.log.debug("request_queued", request_id=message.request_id,
+                           prompt_tokens=len(message.prompt_token_ids), priority=message.priority)
 
     def _abort(self, message: AbortRequest) -> None:
         status = (RequestStatus.FINISHED_STOPPED if message.reason == "stop"
@@ -77,11 +87,18 @@ class SchedulerActor(Actor):
         updates = self.core.finish_requests(message.request_ids, status)
         if message.reason != "stop":
             self._emit(updates or [])
+        elif self.observer is not None:  # the detokenizer already ended the stream
+            for update in updates or []:
+                self.observer.on_update(update, emitted=False)
+        self._refresh_load()
 
     def _maybe_launch_step(self) -> None:
         if self._in_flight or not self.core.has_unfinished_requests():
             return
         output = self.core.schedule()
+        if self.observer is not None:
+            self.observer.on_schedule(output, self.core.num_running, self.core.num_waiting,
+                                      self.core.kv_cache_manager.usage)
         self._report_scheduling(output)
         if output.is_empty:
             return
@@ -115,12 +132,23 @@ class SchedulerActor(Actor):
     def _on_step_result(self, result: StepResult) -> None:
         self._in_flight = False
         output: SchedulerOutput = result.scheduler_output
+        if self.observer is not None:
+            self.observer.on_step(output, result.start, result.end)
         if result.error is not None:
             self._fail_step(output, result.error)
+            self._refresh_load()
             return
         runner_output = result.runner_output
         updates = self.core.update_from_output(output, runner_output.sampled)
-        self._emit(updates, runner_output.logprobs)
+        self._emit(updates, runner_output.logprobs,
+                   prompt_logprobs=getattr(runner_output, "prompt_logprobs", None))
+        self._refresh_load()
+
+    def _refresh_load(self) -> None:
+        """Running/waiting/KV gauges as they are now (they must reach 0 when idle)."""
+        if self.observer is not None:
+            self.observer.set_load(self.core.num_running, self.core.num_waiting,
+                                   self.core.kv_cache_manager.usage)
 
     def _fail_step(self, output: SchedulerOutput, error: str) -> None:
         """A step raised: fail exactly its requests, forget the prefix-cache
@@ -133,7 +161,8 @@ class SchedulerActor(Actor):
         self._emit(updates, error=error)
 
     def _emit(self, updates: list[RequestUpdate] | tuple[RequestUpdate, ...],
-              logprobs: dict | None = None, error: str | None = None) -> None:
+              logprobs: dict | None = None, error: str | None = None,
+              prompt_logprobs: dict | None = None) -> None:
         assert self.detokenizer is not None
         for update in updates:
             if not update.new_token_ids and update.finish_reason is None:
@@ -147,10 +176,18 @@ class SchedulerActor(Actor):
                 finish_reason=None if reason is None else str(reason),
                 num_prompt_tokens=update.num_prompt_tokens,
                 num_cached_tokens=max(update.num_cached_tokens, 0),
-                logprobs=entries, error=update.error or (error if reason is not None else None)))
-            if reason is not None:
+                logprobs=entries, error=update.error or (error if reason is not None else None),
+                prompt_logprobs=_as_tuple((prompt_logprobs or {}).get(update.request_id))))
+            if self.observer is not None:  # TTFT/ITL stamped as the token leaves the core
+                self.observer.on_update(update)
+            elif reason is not None:
                 self.log.info("request_finished", request_id=update.request_id,
                               finish_reason=str(reason), prompt_tokens=update.num_prompt_tokens,
                               output_tokens=update.num_output_tokens,
                               cached_tokens=max(update.num_cached_tokens, 0),
                               preemptions=update.num_preemptions)
+
+
+def _as_tuple(entries) -> tuple | None:
+    """Prompt logprob entries as a tuple (None when there are none)."""
+    return None if entries is None else tuple(entries)

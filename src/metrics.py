@@ -1,0 +1,262 @@
+"""Prometheus metrics: vLLM's names under the prefix ``kvserve:``.
+
+The only module that imports ``prometheus_client``. Every engine owns one
+``EngineMetrics`` with its own ``CollectorRegistry`` (so several engines in
+one process, as in the tests, never collide); ``metrics_route`` serves it as
+``GET /metrics`` in the Prometheus text format. Every series carries the
+label ``model_name`` (the served model name), so a vLLM dashboard ports by
+renaming the prefix ``vllm:`` to ``kvserve:``.
+
+Definitions follow vLLM's documentation (docs "Production Metrics" and the
+"Metrics" design doc); see ``kvserve.core.stats`` for the time stamps. The
+"first token" and every later token are stamped when the scheduler actor
+emits the ``TokenDelta`` that carries them, i.e. when the token leaves the
+engine core (the detokenizer and HTTP add a little on top of that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from kvserve.core.stats import RequestTimeline, StepStats
+
+# ``*_created`` series add nothing for these metrics (vLLM turns them off too).
+prometheus_client.disable_created_metrics()
+
+PREFIX = "kvserve:"
+
+# vLLM's buckets, with finer ones at the bottom for a small model on a CPU.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                         0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5,
+                           5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                           480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+#: Metric name (without prefix) -> Prometheus type; the issue's list.
+METRICS: dict[str, str] = {
+    "time_to_first_token_seconds": "histogram",
+    "inter_token_latency_seconds": "histogram",
+    "request_time_per_output_token_seconds": "histogram",
+    "e2e_request_latency_seconds": "histogram",
+    "request_queue_time_seconds": "histogram",
+    "request_prefill_time_seconds": "histogram",
+    "request_decode_time_seconds": "histogram",
+    "request_inference_time_seconds": "histogram",
+    "request_prompt_tokens": "histogram",
+    "request_generation_tokens": "histogram",
+    "iteration_tokens_total": "histogram",
+    "num_requests_running": "gauge",
+    "num_requests_waiting": "gauge",
+    "kv_cache_usage_perc": "gauge",
+    "prompt_tokens": "counter",
+    "generation_tokens": "counter",
+    "request_success": "counter",
+    "num_preemptions": "counter",
+    "prefix_cache_queries": "counter",
+    "prefix_cache_hits": "counter",
+    "prefix_cache_divergences": "counter",
+}
+
+
+def exposed_series(name: str) -> tuple[str, ...]:
+    """The sample names Prometheus sees for metric ``name`` (without prefix)."""
+    kind = METRICS[name]
+    full = PREFIX + name
+    if kind == "histogram":
+        return (full + "_bucket", full + "_sum", full + "_count")
+    if kind == "counter":
+        return (full + "_total",)
+    return (full,)
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
+
+
+class EngineMetrics:
+    """All of one engine's metrics, on a registry of its own.
+
+    ``observe_*`` methods are called from the scheduler actor (one event
+    loop), so no locking beyond prometheus_client's own is needed.
+    """
+
+    def __init__(self, model_name: str, max_model_len: int = 8192,
+                 max_num_batched_tokens: int = 2048,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, registry=self.registry,
+                             buckets=tuple(buckets)).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds: from the request's arrival at the "
+            "API to the first generated token leaving the engine core.", TTFT_BUCKETS)
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds: time between two consecutive "
+            "streamed token events of a request (one observation per event after the first).",
+            TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of time per output token in seconds, excluding the first token: "
+            "(e2e - ttft) / (output tokens - 1), per finished request with >= 2 tokens.",
+            TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds",
+            "Histogram of end-to-end request latency in seconds: arrival to finish.",
+            REQUEST_LATENCY_BUCKETS)
+        self.queue = histogram(
+            "request_queue_time_seconds",
+            "Histogram of time spent in the WAITING phase in seconds: arrival to the first "
+            "scheduling (tokenization and admission included).", REQUEST_LATENCY_BUCKETS)
+        self.prefill = histogram(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in the PREFILL phase in seconds: first scheduling to "
+            "first token.", REQUEST_LATENCY_BUCKETS)
+        self.decode = histogram(
+            "request_decode_time_seconds",
+            "Histogram of time spent in the DECODE phase in seconds: first token to finish.",
+            REQUEST_LATENCY_BUCKETS)
+        self.inference = histogram(
+            "request_inference_time_seconds",
+            "Histogram of time spent in the RUNNING phase in seconds: prefill + decode, "
+            "first scheduling to finish.", REQUEST_LATENCY_BUCKETS)
+        token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
+        self.prompt_tokens_hist = histogram(
+            "request_prompt_tokens",
+            "Histogram of the number of prompt tokens per finished request.", token_buckets)
+        self.generation_tokens_hist = histogram(
+            "request_generation_tokens",
+            "Histogram of the number of generated tokens per finished request.", token_buckets)
+        step_buckets = [b for b in (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                    16384) if b <= max(max_num_batched_tokens, 1)]
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Histogram of the number of tokens (prefill + decode) computed per engine step.",
+            step_buckets)
+        self.running = gauge("num_requests_running",
+                             "Number of requests in the running batch (holding KV blocks).")
+        self.waiting = gauge("num_requests_waiting",
+                             "Number of requests waiting to be scheduled (new or preempted).")
+        self.kv_usage = gauge("kv_cache_usage_perc",
+                              "KV-cache usage: fraction of KV blocks in use, 0..1 (1 = 100%).")
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Number of prefill tokens processed (computed; prefix-cache hits "
+            "are not computed, recomputation after preemption is).")
+        self.generation_tokens = counter("generation_tokens",
+                                         "Number of generation tokens processed.")
+        self._success = Counter(PREFIX + "request_success",
+                                "Count of finished requests, by finished_reason "
+                                "(stop, length, abort, error).",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:
+            self._success.labels(model_name, reason)
+        self.preemptions = counter("num_preemptions",
+                                   "Cumulative number of preemptions (by recompute).")
+        self.prefix_queries = counter(
+            "prefix_cache_queries",
+            "Prefix-cache queries, in tokens (prompt tokens looked up at admission).")
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Prefix-cache hits, in tokens (prompt tokens found cached).")
+        self.prefix_divergences = counter(
+            "prefix_cache_divergences",
+            "Prefix-cache misses caused by a prompt that differs from a cached one "
+            "(see the prefix_cache_divergence log event).")
+
+    # ------------------------------------------------------------ observers
+
+    def observe_first_token(self, timeline: RequestTimeline) -> None:
+        if timeline.ttft is not None:
+            self.ttft.observe(timeline.ttft)
+
+    def observe_tokens(self, num_tokens: int, itl: float | None) -> None:
+        self.generation_tokens.inc(num_tokens)
+        if itl is not None:
+            self.itl.observe(itl)
+
+    def observe_finished(self, timeline: RequestTimeline) -> None:
+        reason = timeline.finish_reason or "abort"
+        self._success.labels(self.model_name, reason).inc()
+        for hist, value in ((self.e2e, timeline.e2e), (self.queue, timeline.queue_time),
+                            (self.prefill, timeline.prefill_time),
+                            (self.decode, timeline.decode_time),
+                            (self.inference, timeline.inference_time),
+                            (self.tpot, timeline.tpot)):
+            if value is not None:
+                hist.observe(value)
+        self.prompt_tokens_hist.observe(timeline.prompt_tokens)
+        self.generation_tokens_hist.observe(timeline.num_output_tokens)
+
+    def observe_scheduling(self, preemptions: int, queries: int, hits: int,
+                           divergences: int) -> None:
+        if preemptions:
+            self.preemptions.inc(preemptions)
+        if queries:
+            self.prefix_queries.inc(queries)
+        if hits:
+            self.prefix_hits.inc(hits)
+        if divergences:
+            self.prefix_divergences.inc(divergences)
+
+    def observe_step(self, step: StepStats) -> None:
+        self.iteration_tokens.observe(step.num_tokens)
+        if step.num_prefill_tokens:
+            self.prompt_tokens.inc(step.num_prefill_tokens)
+
+    def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+
+    # ------------------------------------------------------------ exposition
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+def metrics_route(metrics: EngineMetrics):
+    """A Starlette ``Route`` for ``GET /metrics`` serving ``metrics``."""
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def endpoint(request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return Route("/metrics", endpoint, methods=["GET"])
+
+
+def parse_metrics_text(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Parse Prometheus text into ``{sample name: [(labels, value), ...]}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return samples

@@ -1,0 +1,203 @@
+"""The engine's observer: request lifecycle logs, step logs, periodic stats and metrics.
+
+The scheduler actor calls the ``on_*`` hooks (all on the event loop, so no
+locking); this class keeps the ``RequestTimeline`` of every live sequence
+(``kvserve.core.stats``), writes the structured log events and feeds
+``EngineMetrics``. Log events (structlog, one JSON object per line):
+
+- ``request_received`` (the engine's ``generate``; arrival at the API),
+  ``request_queued`` (reached the scheduler's waiting queue),
+  ``request_scheduled`` (first scheduling), ``request_first_token``,
+  ``request_preempted`` (logged by the scheduler actor),
+  ``request_finished`` (all phase times, token counts, priority, class);
+- ``step`` (debug level): batch size, prefill/decode tokens, KV usage, seconds;
+- ``engine_stats`` (info, every ``stats_interval`` seconds while busy).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+import structlog
+
+from kvserve.core.outputs import RequestUpdate, SchedulerOutput
+from kvserve.core.stats import IntervalStats, RequestTimeline, RequestTracker, StepStats
+from kvserve.metrics import EngineMetrics
+
+
+_MAX_PENDING = 100_000
+
+
+def wall_time_of(monotonic_time: float) -> float:
+    """Unix epoch seconds of a ``time.monotonic()`` stamp (for replay)."""
+    return time.time() - (time.monotonic() - monotonic_time)
+
+
+class StatsObserver:
+    """Timelines, log events and metrics of one engine."""
+
+    def __init__(self, metrics: EngineMetrics | None = None) -> None:
+        self.metrics = metrics
+        self.tracker = RequestTracker()
+        self.log = structlog.get_logger("kvserve.stats")
+        self.interval = IntervalStats(start=time.monotonic())
+        self.total_preemptions = 0
+        self._last_idle = False
+        # parent id -> n, from request_received (bounded: refused requests never finish)
+        self._num_samples: OrderedDict[str, int] = OrderedDict()
+
+    # ------------------------------------------------------------- arrival
+
+    def on_received(self, request_id: str, arrival_time: float, priority: int,
+                    request_class: str | None, n: int, prompt: Any = None,
+                    log_prompts: bool = False) -> None:
+        """``request_received``: the API handed the request to the engine."""
+        self._num_samples[request_id] = n
+        while len(self._num_samples) > _MAX_PENDING:
+            self._num_samples.popitem(last=False)
+        fields: dict[str, Any] = {}
+        if log_prompts and prompt is not None:
+            fields["prompt"] = prompt
+        self.log.info("request_received", request_id=request_id,
+                      arrival_time=round(wall_time_of(arrival_time), 6), priority=priority,
+                      request_class=request_class, n=n, **fields)
+
+    def on_queued(self, request_id: str, parent_id: str, arrival_time: float,
+                  prompt_tokens: int, priority: int, request_class: str | None) -> None:
+        """``request_queued``: the scheduler added it to its waiting queue."""
+        now = time.monotonic()
+        n = self._num_samples.get(parent_id, 1)
+        if request_id == parent_id or request_id.endswith(f"-{n - 1}"):  # last sample
+            self._num_samples.pop(parent_id, None)
+        timeline = RequestTimeline(
+            request_id=request_id, arrival_time=arrival_time,
+            arrival_wall=wall_time_of(arrival_time), prompt_tokens=prompt_tokens,
+            parent_id=parent_id, priority=priority, request_class=request_class, n=n,
+            queued_time=now)
+        self.tracker.add(timeline)
+        self.log.info("request_queued", request_id=request_id, prompt_tokens=prompt_tokens,
+                      priority=priority, request_class=request_class,
+                      since_arrival_s=round(now - arrival_time, 6))
+
+    # ---------------------------------------------------------- scheduling
+
+    def on_schedule(self, output: SchedulerOutput, num_running: int, num_waiting: int,
+                    kv_usage: float) -> None:
+        """A ``schedule()`` returned: first schedulings, preemptions, prefix cache."""
+        now = time.monotonic()
+        for request_id in output.first_scheduled_request_ids:
+            timeline = self.tracker.get(request_id)
+            if timeline is None or not timeline.scheduled(now):
+                continue
+            self.log.info("request_scheduled", request_id=request_id,
+                          queue_s=round(timeline.queue_time or 0.0, 6),
+                          prompt_tokens=timeline.prompt_tokens,
+                          cached_tokens=_cached(output, request_id),
+                          num_running=output.num_running, num_waiting=output.num_waiting,
+                          kv_cache_usage=round(output.kv_cache_usage, 4))
+        for event in output.preemptions:
+            timeline = self.tracker.get(event.request_id)
+            if timeline is not None:
+                timeline.num_preemptions += 1
+        num_preempted = len(output.preemptions)
+        self.total_preemptions += num_preempted
+        self.interval.add_scheduling(num_preempted, output.prefix_cache_queries,
+                                     output.prefix_cache_hits)
+        if self.metrics is not None:
+            self.metrics.observe_scheduling(num_preempted, output.prefix_cache_queries,
+                                            output.prefix_cache_hits, len(output.divergences))
+            self.metrics.set_load(num_running, num_waiting, kv_usage)
+
+    def on_step(self, output: SchedulerOutput, start: float, end: float) -> StepStats:
+        """A step came back from the worker: ``step`` event (debug) and metrics."""
+        step = StepStats(
+            step_id=output.step_id, start=start, end=end, batch_size=len(output.scheduled),
+            num_prefill_tokens=output.num_prefill_tokens,
+            num_decode_tokens=output.num_decode_tokens,
+            num_preemptions=len(output.preemptions), kv_cache_usage=output.kv_cache_usage,
+            num_running=output.num_running, num_waiting=output.num_waiting,
+            prefix_cache_queries=output.prefix_cache_queries,
+            prefix_cache_hits=output.prefix_cache_hits)
+        self.interval.add_step(step)
+        if self.metrics is not None:
+            self.metrics.observe_step(step)
+        self.log.debug("step", step_id=step.step_id, batch_size=step.batch_size,
+                       prefill_tokens=step.num_prefill_tokens,
+                       decode_tokens=step.num_decode_tokens,
+                       kv_cache_usage=round(step.kv_cache_usage, 4),
+                       num_running=step.num_running, num_waiting=step.num_waiting,
+                       preemptions=step.num_preemptions, step_s=round(step.seconds, 6))
+        return step
+
+    def set_load(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        """Refresh the running/waiting/KV gauges (after a step or an abort)."""
+        if self.metrics is not None:
+            self.metrics.set_load(num_running, num_waiting, kv_usage)
+
+    # -------------------------------------------------------------- tokens
+
+    def on_update(self, update: RequestUpdate, emitted: bool = True) -> None:
+        """The scheduler emitted ``update`` (a ``TokenDelta``), or finished it
+        without emitting (``emitted=False``: a stop string the detokenizer found)."""
+        now = time.monotonic()
+        timeline = self.tracker.get(update.request_id)
+        if timeline is None:
+            return
+        num_new = len(update.new_token_ids) if emitted else 0
+        if num_new:
+            first = timeline.first_token_time is None
+            itl = timeline.tokens(now, num_new)
+            self.interval.generation_tokens += num_new
+            if self.metrics is not None:
+                self.metrics.observe_tokens(num_new, itl)
+            if first:
+                if self.metrics is not None:
+                    self.metrics.observe_first_token(timeline)
+                self.log.info("request_first_token", request_id=update.request_id,
+                              ttft_s=round(timeline.ttft or 0.0, 6),
+                              prefill_s=round(timeline.prefill_time or 0.0, 6))
+        if update.finish_reason is not None:
+            self._finish(timeline, update, now)
+
+    def _finish(self, timeline: RequestTimeline, update: RequestUpdate, now: float) -> None:
+        self.tracker.pop(timeline.request_id)
+        timeline.finish(now, str(update.finish_reason), update.num_output_tokens,
+                        update.num_cached_tokens, update.num_preemptions)
+        self.interval.finished_requests += 1
+        if self.metrics is not None:
+            self.metrics.observe_finished(timeline)
+        fields = timeline.log_fields()
+        if update.error:
+            fields["error"] = update.error
+        self.log.info("request_finished", **fields)
+
+    # ------------------------------------------------------------ periodic
+
+    def log_stats(self, num_running: int, num_waiting: int, kv_usage: float,
+                  force: bool = False) -> dict[str, Any] | None:
+        """Write one ``engine_stats`` line and start a new interval.
+
+        Skipped (returns None) when the engine was idle for this interval
+        and the previous one, unless ``force``.
+        """
+        now = time.monotonic()
+        idle = self.interval.is_idle and not num_running and not num_waiting
+        if idle and self._last_idle and not force:
+            self.interval = IntervalStats(start=now)
+            return None
+        self._last_idle = idle
+        snap = self.interval.snapshot(now, num_running, num_waiting, kv_usage,
+                                      self.total_preemptions)
+        self.interval = IntervalStats(start=now)
+        fields = snap.log_fields()
+        self.log.info("engine_stats", message=snap.message(), **fields)
+        return fields
+
+
+def _cached(output: SchedulerOutput, request_id: str) -> int:
+    for new in output.new_requests:
+        if new.request_id == request_id:
+            return new.num_cached_tokens
+    return 0

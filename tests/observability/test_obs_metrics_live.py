@@ -1,0 +1,179 @@
+"""Acceptance (issue 6) against a live ``kvserve serve``: ``GET /metrics``
+after N streamed requests, and the lifecycle log events of each request."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from e2e_support import LiveServer, iter_sse_data
+
+from kvserve.metrics import METRICS, exposed_series, parse_metrics_text
+
+pytestmark = pytest.mark.model
+
+N = 4
+CLASS = "acceptance-test"
+LIFECYCLE = ["request_received", "request_queued", "request_scheduled", "request_first_token",
+             "request_finished"]
+PROMPT = ("Summarise in a few words why continuous batching helps an inference server keep "
+          "its accelerator busy when many clients stream tokens at the same time. ") * 3
+
+
+@pytest.fixture(scope="module")
+def server(default_model_path, tmp_path_factory):
+    live = LiveServer(default_model_path, tmp_path_factory.mktemp("kvserve-obs"),
+                      extra_args=["--max-model-len", "512", "--stats-interval", "1"])
+    yield live
+    live.stop()
+
+
+def scrape(base_url: str) -> dict:
+    response = httpx.get(f"{base_url}/metrics", timeout=30)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return parse_metrics_text(response.text)
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return sum(v for lab, v in samples.get(name, ())
+               if all(lab.get(k) == want for k, want in labels.items()))
+
+
+def stream_one(client: httpx.Client, request_id: str) -> float:
+    """One streamed completion; the client-side TTFT (monotonic seconds from
+    sending to the first chunk that carries a choice)."""
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    headers = {"X-Request-Id": request_id, "X-Request-Class": CLASS}
+    start = time.monotonic()
+    ttft = None
+    with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+        assert response.status_code == 200, response.read()
+        for payload in iter_sse_data(response.iter_lines()):
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            if ttft is None and chunk.get("choices"):
+                ttft = time.monotonic() - start
+    assert ttft is not None
+    return ttft
+
+
+def wait_idle(base_url: str, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(base_url)
+        idle = (value(samples, "kvserve:num_requests_running") == 0
+                and value(samples, "kvserve:num_requests_waiting") == 0)
+        if idle or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def run(server: LiveServer):
+    """N streamed requests, one at a time, between two scrapes."""
+    before = wait_idle(server.base_url)
+    ids = [f"obs-{i}-{time.monotonic_ns()}" for i in range(N)]
+    with httpx.Client(base_url=server.base_url, timeout=180) as client:
+        client_ttfts = [stream_one(client, rid) for rid in ids]
+    after = wait_idle(server.base_url)
+    time.sleep(1.5)  # one more engine_stats interval
+    return before, after, ids, client_ttfts
+
+
+def test_metrics_after_streamed_requests(server, run):
+    before, after, ids, client_ttfts = run
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("kvserve:time_to_first_token_seconds_count") == N
+    server_ttft = delta("kvserve:time_to_first_token_seconds_sum")
+    client_ttft = sum(client_ttfts)
+    assert abs(server_ttft - client_ttft) <= 0.2 * client_ttft, (server_ttft, client_ttfts)
+    assert server_ttft <= client_ttft  # the client's TTFT includes HTTP on top
+    assert delta("kvserve:request_time_per_output_token_seconds_sum") > 0
+    assert delta("kvserve:request_time_per_output_token_seconds_count") == N
+    assert delta("kvserve:inter_token_latency_seconds_sum") > 0
+    assert delta("kvserve:inter_token_latency_seconds_count") >= N * 10  # 11 gaps each
+    assert delta("kvserve:e2e_request_latency_seconds_count") == N
+    assert delta("kvserve:request_success_total", finished_reason="length") == N
+    assert delta("kvserve:generation_tokens_total") == N * 12
+    assert delta("kvserve:request_generation_tokens_sum") == N * 12
+    assert delta("kvserve:prompt_tokens_total") > 0
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"kvserve:request_{phase}_time_seconds_count") == N
+    e2e = delta("kvserve:e2e_request_latency_seconds_sum")
+    parts = sum(delta(f"kvserve:request_{p}_time_seconds_sum")
+                for p in ("queue", "prefill", "decode"))
+    assert parts == pytest.approx(e2e, abs=0.005 * N)
+    assert value(after, "kvserve:prefix_cache_hits_total") <= \
+        value(after, "kvserve:prefix_cache_queries_total")
+    assert value(after, "kvserve:prefix_cache_hits_total") > 0  # same prompt N times
+    assert value(after, "kvserve:num_requests_running") == 0
+    assert value(after, "kvserve:num_requests_waiting") == 0
+    assert 0 <= value(after, "kvserve:kv_cache_usage_perc") <= 1
+    # No metric missing or misnamed, all with the model_name label.
+    for name in METRICS:
+        for series in exposed_series(name):
+            assert series in after, f"{series} missing from /metrics"
+    for name, rows in after.items():
+        if name.startswith("kvserve:"):
+            assert all(lab.get("model_name") == "SmolLM2-135M-Instruct" for lab, _ in rows), name
+
+
+def _events(server: LiveServer) -> list[dict]:
+    events = []
+    for line in server.stderr_path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return events
+
+
+def test_lifecycle_events_in_order_with_consistent_timings(server, run):
+    _, _, ids, client_ttfts = run
+    events = _events(server)
+    for rid, client_ttft in zip(ids, client_ttfts):
+        mine = [e for e in events if e.get("request_id") == rid]
+        names = [e["event"] for e in mine if e["event"] in LIFECYCLE]
+        assert names == LIFECYCLE, names
+        finished = next(e for e in mine if e["event"] == "request_finished")
+        parts = finished["queue_s"] + finished["prefill_s"] + finished["decode_s"]
+        assert parts == pytest.approx(finished["e2e_s"], abs=0.003)
+        assert finished["queue_s"] + finished["prefill_s"] == \
+            pytest.approx(finished["ttft_s"], abs=0.003)
+        assert finished["inference_s"] == \
+            pytest.approx(finished["prefill_s"] + finished["decode_s"], abs=0.003)
+        assert finished["tpot_s"] == pytest.approx(finished["decode_s"] / 11, rel=0.01)
+        assert finished["ttft_s"] <= client_ttft
+        assert finished["request_class"] == CLASS
+        assert finished["finish_reason"] == "length" and finished["output_tokens"] == 12
+        assert finished["prompt_tokens"] > 50 and finished["priority"] == 0
+        received = next(e for e in mine if e["event"] == "request_received")
+        assert abs(received["arrival_time"] - finished["arrival_time"]) < 0.01
+        assert abs(finished["arrival_time"] - time.time()) < 3600  # wall clock, epoch seconds
+        first = next(e for e in mine if e["event"] == "request_first_token")
+        assert first["ttft_s"] == pytest.approx(finished["ttft_s"], abs=1e-5)
+        assert "prompt" not in received  # only with --log-prompts
+    stats = [e for e in events if e.get("event") == "engine_stats"]
+    assert stats, "no engine_stats line with --stats-interval 1"
+    assert "Avg prompt throughput" in stats[-1]["message"]
+    assert {"prompt_throughput", "generation_throughput", "num_running", "num_waiting",
+            "preemptions", "kv_cache_usage", "prefix_cache_hit_rate"} <= set(stats[-1])
+    assert PROMPT[:40] not in server.stderr_path.read_text(encoding="utf-8")
+
+
+def test_diagnose_command_on_an_idle_server(server, run, capsys):
+    from kvserve.cli import main
+
+    assert main(["diagnose", "--url", server.base_url, "--interval", "0.5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bottleneck"] is None and report["verdicts"] == []
+    assert report["features"]["source"] == "metrics"
