@@ -31,5 +31,15 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not model" $(ARGS)
 
+## Bounded benchmark (< 5 min on 2 cores): start kvserve on a free port, replay the
+## fixed trace tools/baseline/trace.jsonl, compare with tools/baseline/result.json.
+## The gate is generous (latency x3, throughput -67 %): it catches big regressions only.
+BENCH_OUT ?= results/bench
+bench: install
+	$(PY) tools/replay.py --launch-server --server-args "--kv-cache-memory 256MiB" \
+		--trace tools/baseline/trace.jsonl --warmup 1 --goodput ttft:2000 tpot:500 \
+		--label "make bench" --no-progress --out $(BENCH_OUT)/result.json
+	$(PY) tools/compare.py tools/baseline/result.json $(BENCH_OUT)/result.json --preset generous
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,12 @@
+#!/usr/bin/env python3
+"""Thin wrapper: the code is `kvserve.bench.compare` (see tools/README.md).
+
+    python tools/compare.py --help
+"""
+
+import sys
+
+from kvserve.bench.compare import main
+
+if __name__ == "__main__":
+    sys.exit(main())

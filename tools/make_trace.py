@@ -1,0 +1,12 @@
+#!/usr/bin/env python3
+"""Thin wrapper: the code is `kvserve.bench.make_trace` (see tools/README.md).
+
+    python tools/make_trace.py --help
+"""
+
+import sys
+
+from kvserve.bench.make_trace import main
+
+if __name__ == "__main__":
+    sys.exit(main())
