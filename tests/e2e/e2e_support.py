@@ -11,9 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -24,6 +21,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from kvserve.bench.server import ServerProcess, free_port
 from kvserve.actors.messages import (
     GenerateRequest,
     RequestAccepted,
@@ -244,74 +242,21 @@ async def wait_all_blocks_free(engine, timeout: float = 10.0) -> KVSnapshot:
 # --------------------------------------------------------------------------- live server
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    """``python -m kvserve.cli serve`` in a subprocess, stderr captured to a file."""
+class LiveServer(ServerProcess):
+    """``python -m kvserve.cli serve`` in a subprocess (``kvserve.bench.server``),
+    with the e2e defaults; its output (JSON logs) goes to ``stderr_path``."""
 
     def __init__(self, model: Path, log_dir: Path, extra_args: Sequence[str] = (),
                  start_timeout: float = 600.0) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.stderr_path = log_dir / "kvserve-server.stderr.log"
-        self.stdout_path = log_dir / "kvserve-server.stdout.log"
-        self.args = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(model),
-                     "--port", str(self.port), "--logprobs-mode", "raw_logits",
-                     "--kv-cache-memory", "256MiB", "--log-format", "json", *extra_args]
-        self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115 - closed in stop()
-        self._stdout = open(self.stdout_path, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(self.args, stdout=self._stdout, stderr=self._stderr,
-                                     stdin=subprocess.DEVNULL)
-        try:
-            self._wait_healthy(start_timeout)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvserve serve exited with {self.proc.returncode} before it "
-                                   f"was healthy:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"kvserve serve not healthy after {timeout} s:\n{self.log_tail()}")
+        self.stderr_path = log_dir / "kvserve-server.log"
+        super().__init__(["--model", str(model), "--logprobs-mode", "raw_logits",
+                          "--kv-cache-memory", "256MiB", *extra_args],
+                         log_path=self.stderr_path, start_timeout=start_timeout,
+                         health_paths=("/health",))
 
     def assert_alive(self) -> None:
         assert self.proc.poll() is None, (
             f"kvserve serve died (exit {self.proc.returncode}):\n{self.log_tail()}")
-
-    def log_tail(self, max_chars: int = 20000) -> str:
-        out = []
-        for path in (self.stderr_path, self.stdout_path):
-            try:
-                text = path.read_text(encoding="utf-8", errors="replace")
-            except OSError:
-                continue
-            if text:
-                out.append(f"--- {path.name} ---\n{text[-max_chars:]}")
-        return "\n".join(out)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._stderr.close()
-        self._stdout.close()
-
 
 @dataclass
 class SSEResult:

@@ -1,0 +1,71 @@
+"""Acceptance (issue 4): SIGTERM during load drains gracefully -- accepted
+requests complete in full, new ones get 503, the process exits with 0."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import pytest
+from e2e_support import LiveServer
+from sched_support import PROMPT, HTTPRecord, assert_error_body, chat_body, sse_stream
+
+pytestmark = pytest.mark.model
+
+NUM_REQUESTS = 4
+MAX_TOKENS = 40
+
+
+@pytest.fixture
+def drain_server(default_model_path, tmp_path):
+    server = LiveServer(default_model_path, tmp_path,
+                        extra_args=["--max-model-len", "512", "--drain-timeout", "120"])
+    yield server
+    server.stop()
+
+
+async def _load_then_sigterm(server: LiveServer):
+    async with httpx.AsyncClient(base_url=server.base_url,
+                                 timeout=httpx.Timeout(180.0, connect=10.0)) as client:
+        started = [asyncio.Event() for _ in range(NUM_REQUESTS)]
+        records = [HTTPRecord(f"r{i}") for i in range(NUM_REQUESTS)]
+        tasks = [asyncio.ensure_future(sse_stream(
+            client, chat_body(f"{PROMPT} ({i})", MAX_TOKENS), first_content=started[i],
+            record=records[i])) for i in range(NUM_REQUESTS)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+        assert all(r.done_at is None for r in records), "test precondition: all still running"
+        server.proc.send_signal(signal.SIGTERM)
+        sigterm_at = time.monotonic()
+        # The drain starts on the server's loop: /health turns 503 first.
+        health = None
+        while time.monotonic() - sigterm_at < 10:
+            health = await client.get("/health")
+            if health.status_code == 503:
+                break
+            await asyncio.sleep(0.01)
+        late = await client.post("/v1/chat/completions",
+                                 json={**chat_body("Hi", 4), "stream": False})
+        late_stream = await sse_stream(client, chat_body("Hi", 4), name="late-stream")
+        still_running = sum(1 for r in records if r.done_at is None)
+        await asyncio.gather(*tasks)
+        return records, health, late, late_stream, still_running
+
+
+@pytest.mark.slow
+def test_sigterm_under_load_completes_accepted_refuses_new_exits_zero(drain_server):
+    records, health, late, late_stream, still_running = asyncio.run(
+        _load_then_sigterm(drain_server))
+    assert still_running >= 1, "test precondition: the drain overlapped the load"
+    assert health is not None and health.status_code == 503, health
+    assert late.status_code == 503, late.text
+    assert_error_body(late.json(), 503)
+    assert late_stream.status == 503, late_stream
+    assert_error_body(late_stream.body, 503)
+    for r in records:
+        assert r.status == 200 and r.done and not r.errors, r
+        assert r.finish_reason == "length", r
+        assert r.usage["completion_tokens"] == MAX_TOKENS, r
+    assert drain_server.proc.wait(timeout=60) == 0, drain_server.log_tail()
+    assert '"drain_finished"' in drain_server.log_tail()
