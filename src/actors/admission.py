@@ -15,7 +15,8 @@ class AdmissionLimits:
     """Bounds of the waiting queue (None = unbounded) and the policy.
 
     ``max_waiting_requests``: waiting sequences (each of ``n`` samples counts).
-    ``max_waiting_tokens``: prompt tokens of the waiting sequences.
+    ``max_waiting_tokens``: tokens the waiting sequences still need to compute
+    (prompt tokens, plus generated ones of preempted requests).
     ``retry_after``: seconds suggested to a refused client (``Retry-After``).
     """
 
@@ -26,6 +27,30 @@ class AdmissionLimits:
 
 
 WaitingLoad = Callable[[], tuple[int, int]]
+
+
+@dataclass
+class InTransit:
+    """Requests admitted but not yet queued by the scheduler actor.
+
+    Between the admission actor's ``send`` and the scheduler actor's
+    ``add_request`` a request sits in the scheduler's inbox, invisible to the
+    core queue's counts; without this ledger a burst would be admitted whole
+    past the limits. Admission adds, the scheduler actor removes.
+    """
+
+    requests: int = 0
+    tokens: int = 0
+
+    def add(self, num_tokens: int) -> None:
+        """One request of ``num_tokens`` prompt tokens is on its way."""
+        self.requests += 1
+        self.tokens += num_tokens
+
+    def remove(self, num_tokens: int) -> None:
+        """The scheduler actor queued it."""
+        self.requests -= 1
+        self.tokens -= num_tokens
 
 
 def refusal(limits: AdmissionLimits, load: tuple[int, int], request: TokenizedRequest,
@@ -70,20 +95,26 @@ class AdmissionActor(Actor):
 
     def __init__(self, streams: StreamRegistry, scheduler: Actor, detokenizer: Actor,
                  limits: AdmissionLimits | None = None,
-                 waiting_load: WaitingLoad | None = None) -> None:
+                 waiting_load: WaitingLoad | None = None,
+                 in_transit: InTransit | None = None) -> None:
         super().__init__()
         self.streams = streams
         self.scheduler = scheduler
         self.detokenizer = detokenizer
         self.limits = limits or AdmissionLimits()
         self.waiting_load = waiting_load or (lambda: (0, 0))
+        self.in_transit = in_transit or InTransit()
+
+    def _load(self) -> tuple[int, int]:
+        waiting, tokens = self.waiting_load()
+        return waiting + self.in_transit.requests, tokens + self.in_transit.tokens
 
     async def handle(self, message: TokenizedRequest) -> None:
         if not self.streams.is_open(message.parent_id):
             return  # the client left (or the request was refused) meanwhile
         if message.index == 0:
             n = self.streams.num_samples(message.parent_id)
-            failed = refusal(self.limits, self.waiting_load(), message, n)
+            failed = refusal(self.limits, self._load(), message, n)
             if failed is not None:
                 self.log.info("request_rejected", request_id=message.parent_id,
                               status=failed.status, reason=failed.message)
@@ -92,4 +123,5 @@ class AdmissionActor(Actor):
             self.streams.put(message.parent_id,
                              RequestAccepted(message.parent_id, message.prompt_token_ids))
         self.detokenizer.send(message)
+        self.in_transit.add(len(message.prompt_token_ids))
         self.scheduler.send(message)
