@@ -31,7 +31,8 @@ from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_config, load_weights
 from kvserve.model.runner import ModelRunner
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.plan import KVCachePlan, plan_kv_cache  # noqa: F401 - re-exported
+from kvserve.plan import (  # noqa: F401 - KVCachePlan re-exported
+    KVCachePlan, cap_to_cache, plan_kv_cache, resolve_max_model_len)
 from kvserve.stats_logger import StatsObserver
 
 log = structlog.get_logger("kvserve.engine")
@@ -73,13 +74,12 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     weights_bytes = sum(array.nbytes for array in weights.values())
     model = LlamaModel(model_config, weights, ops)
     del weights
-    max_len = min(model_config.max_position_embeddings, config.scheduler.max_model_len)
-    plan = plan_kv_cache(model_config, config.cache, max_len)
-    if plan.num_tokens < max_len:
-        log.warning("max_model_len_capped", max_model_len=plan.num_tokens, requested=max_len,
+    requested = resolve_max_model_len(model_config, config.scheduler.max_model_len)
+    plan = cap_to_cache(plan_kv_cache(model_config, config.cache, requested))
+    max_len = plan.max_model_len
+    if max_len < requested:
+        log.warning("max_model_len_capped", max_model_len=max_len, requested=requested,
                     reason="KV cache holds fewer tokens than the context length")
-        max_len = plan.num_tokens
-        plan = replace(plan, max_model_len=max_len)
     runner = ModelRunner(model_config, model, ops, plan.num_blocks, plan.block_size,
                          logprobs_mode=config.logprobs_mode, seed=config.seed)
     _warm_up(ops)
@@ -127,6 +127,8 @@ class AsyncEngine:
         self.model_name = model_name or Path(core.config.model).name
         self.max_model_len = core.max_model_len
         self.streams = StreamRegistry()
+        self._deadlines: dict[str, asyncio.TimerHandle] = {}
+        self.streams.on_close = self._cancel_deadline
         self.metrics = EngineMetrics(self.model_name, core.max_model_len,
                                      core.scheduler.config.max_num_batched_tokens)
         self.observer = StatsObserver(self.metrics)
@@ -216,9 +218,14 @@ class AsyncEngine:
                                   request.request_class, n, prompt, self.log_prompts)
         self.tokenizer_actor.send(request)
         if self.request_timeout is not None:
-            asyncio.get_running_loop().call_later(self.request_timeout, self._expire,
-                                                  request.request_id, stream)
+            self._deadlines[request.request_id] = asyncio.get_running_loop().call_later(
+                self.request_timeout, self._expire, request.request_id, stream)
         return stream
+
+    def _cancel_deadline(self, request_id: str) -> None:
+        handle = self._deadlines.pop(request_id, None)
+        if handle is not None:
+            handle.cancel()
 
     def _refuse(self, request: GenerateRequest) -> RequestFailed | None:
         rid = request.request_id

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvserve.actors.messages import RequestFailed, StreamEvent
 from kvserve.actors.stream import RequestStream
 
@@ -15,6 +17,7 @@ class StreamRegistry:
 
     def __init__(self) -> None:
         self._streams: dict[str, RequestStream] = {}
+        self.on_close: Callable[[str], None] | None = None  # called when an entry goes
 
     def open(self, request_id: str, n: int) -> RequestStream:
         """Create and register a stream. Raises ``ValueError`` on a duplicate id."""
@@ -44,15 +47,18 @@ class StreamRegistry:
             return
         stream.put(event)
         if stream.all_finished:
-            del self._streams[request_id]
+            self.close(request_id)
 
     def fail(self, event: RequestFailed) -> None:
         """Deliver a terminal failure."""
         self.put(event.request_id, event)
 
     def close(self, request_id: str) -> RequestStream | None:
-        """Forget a stream (abort); returns it if it was open."""
-        return self._streams.pop(request_id, None)
+        """Forget a stream (finished or aborted); returns it if it was open."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and self.on_close is not None:
+            self.on_close(request_id)
+        return stream
 
     def __len__(self) -> int:
         return len(self._streams)
