@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
 import uuid
@@ -21,6 +20,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from golden import golden_cases
 from kvserve.bench.server import ServerProcess, free_port
 from kvserve.actors.messages import (
     GenerateRequest,
@@ -37,23 +37,6 @@ SERVER_MAX_MODEL_LEN = 512
 #: Absolute tolerance on logits (shared/golden/README.md).
 LOGIT_TOL = 1e-3
 EOS_ID = 2
-
-_REPO = Path(__file__).resolve().parents[2]
-_GOLDEN_CANDIDATES = [
-    Path(os.environ.get("KVSERVE_GOLDEN", "/nonexistent")),
-    _REPO / "shared" / "golden",
-    _REPO.parent / "shared" / "golden",
-]
-
-
-def golden_cases() -> list[dict]:
-    """The golden reference cases, or [] when the golden folder is not available."""
-    for folder in _GOLDEN_CANDIDATES:
-        file = folder / "smollm2_greedy.json"
-        if file.is_file():
-            return json.loads(file.read_text(encoding="utf-8"))
-    return []
-
 
 GOLDEN = golden_cases()
 GOLDEN_IDS = [g["case"]["name"] for g in GOLDEN]

@@ -3,29 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
+from golden import golden_cases
 from kvserve.model.tokenizer import Tokenizer
-
-_REPO = Path(__file__).resolve().parents[2]
-_GOLDEN_CANDIDATES = [
-    Path(os.environ.get("KVSERVE_GOLDEN", "/nonexistent")),
-    _REPO / "shared" / "golden",
-    _REPO.parent / "shared" / "golden",
-]
-
-
-def golden_cases() -> list[dict]:
-    """The golden reference cases, or [] when the golden folder is not available."""
-    for folder in _GOLDEN_CANDIDATES:
-        file = folder / "smollm2_greedy.json"
-        if file.is_file():
-            return json.loads(file.read_text(encoding="utf-8"))
-    return []
-
 
 GOLDEN = golden_cases()
 
