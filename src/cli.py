@@ -11,8 +11,26 @@ import asyncio
 import sys
 import time
 import uuid
+from collections.abc import Callable
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig, parse_size
+
+
+def _positive(kind: type) -> Callable[[str], int | float]:
+    """An argparse type: a number > 0 of ``kind`` (a clear usage error otherwise)."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+POSITIVE_INT, POSITIVE_FLOAT = _positive(int), _positive(float)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -22,21 +40,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--kv-cache-memory", default="1GiB",
                    help="bytes for KV blocks on the CPU backend, e.g. 512MiB, 1GiB")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--block-size", type=POSITIVE_INT, default=16, help="tokens per KV block")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false", help="turn automatic prefix caching off")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    p.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=2048,
                    help="token budget of one step (prefill chunks + decodes)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-num-seqs", type=POSITIVE_INT, default=64, help="most sequences in one step")
+    p.add_argument("--max-model-len", type=POSITIVE_INT, default=None,
                    help="longest prompt + output in tokens (default: the model's)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs, or priority from X-Priority / body 'priority' (lower first)")
-    p.add_argument("--priority-aging-seconds", type=float, default=None,
+    p.add_argument("--priority-aging-seconds", type=POSITIVE_FLOAT, default=None,
                    help="under priority: a waiting request gains one level per S seconds")
-    p.add_argument("--max-waiting-requests", type=int, default=None,
+    p.add_argument("--max-waiting-requests", type=POSITIVE_INT, default=None,
                    help="waiting-queue bound; beyond it requests get 429 with Retry-After")
-    p.add_argument("--max-waiting-tokens", type=int, default=None,
+    p.add_argument("--max-waiting-tokens", type=POSITIVE_INT, default=None,
                    help="bound on waiting prompt tokens; beyond it requests get 429")
     p.add_argument("--logprobs-mode", default="processed_logprobs",
                    choices=["processed_logprobs", "raw_logprobs", "raw_logits"])
@@ -77,18 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' (or set KVSERVE_API_KEY)")
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--max-request-bytes", type=int, default=1024 * 1024,
+    serve.add_argument("--max-request-bytes", type=POSITIVE_INT, default=1024 * 1024,
                        help="larger request bodies get 413")
     serve.add_argument("--log-prompts", action="store_true",
                        help="log prompts and generated texts (never logged without it)")
-    serve.add_argument("--request-timeout", type=float, default=None,
+    serve.add_argument("--request-timeout", type=POSITIVE_FLOAT, default=None,
                        help="abort a request that has not finished after this many seconds")
-    serve.add_argument("--drain-timeout", type=float, default=30.0,
+    serve.add_argument("--drain-timeout", type=POSITIVE_FLOAT, default=30.0,
                        help="on SIGTERM, seconds to let accepted requests finish")
     gen = sub.add_parser("generate", help="generate a completion for one prompt, in-process")
     _add_engine_args(gen)
     gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=POSITIVE_INT, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--raw", action="store_true", help="no chat template: a plain completion")
     sub.add_parser("fetch-model", help="fetch and convert the default model; print its folder")
@@ -100,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     diag = sub.add_parser("diagnose", help="diagnose a running server's bottleneck from two "
                           "scrapes of its /metrics")
     diag.add_argument("--url", required=True, help="server base URL (or the /metrics URL)")
-    diag.add_argument("--interval", type=float, default=10.0,
+    diag.add_argument("--interval", type=POSITIVE_FLOAT, default=10.0,
                       help="seconds between the two scrapes")
     diag.add_argument("--json", action="store_true", help="print JSON")
     from kvserve.bench.replay import add_arguments as _add_bench_args  # noqa: PLC0415
@@ -115,7 +133,7 @@ def _add_plan_parser(sub) -> None:
         "plan", help="print weights, KV cache size and concurrency without loading weights")
     plan.add_argument("--model", default=None,
                       help="checkpoint folder (default: the default model, fetched if needed)")
-    plan.add_argument("--max-model-len", type=int, default=None,
+    plan.add_argument("--max-model-len", type=POSITIVE_INT, default=None,
                       help="request length for the concurrency figure, in tokens "
                            "(default: the model's max_position_embeddings)")
     memory = plan.add_mutually_exclusive_group()
@@ -127,15 +145,15 @@ def _add_plan_parser(sub) -> None:
                       help="GPU: fraction of the GPU memory to use (default 0.9)")
     plan.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                       help="weights and KV dtype (CPU: float32; GPU default float16)")
-    plan.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    plan.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    plan.add_argument("--block-size", type=POSITIVE_INT, default=16, help="tokens per KV block")
+    plan.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=2048,
                       help="GPU: step token budget, for the activation estimate")
-    plan.add_argument("--max-num-seqs", type=int, default=64,
+    plan.add_argument("--max-num-seqs", type=POSITIVE_INT, default=64,
                       help="GPU: most sequences per step, for the activation estimate")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     import os
 
     import uvicorn
@@ -146,7 +164,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
     from kvserve.metrics import metrics_route
 
-    engine = await AsyncEngine.start(engine_config_from_args(args), args.served_model_name,
+    engine = await AsyncEngine.start(engine_config, args.served_model_name,
                                      request_timeout=args.request_timeout,
                                      stats_interval=args.stats_interval,
                                      log_prompts=getattr(args, "log_prompts", False))
@@ -164,35 +182,37 @@ async def _serve(args: argparse.Namespace) -> None:
         await engine.shutdown()
 
 
-async def _generate(args: argparse.Namespace) -> None:
+async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     from kvserve.actors.messages import GenerateRequest, RequestFailed, RequestOutput
     from kvserve.core.sampling_params import SamplingParams
     from kvserve.engine import AsyncEngine
 
-    engine = await AsyncEngine.start(engine_config_from_args(args),
-                                     stats_interval=args.stats_interval)
+    engine = await AsyncEngine.start(engine_config, stats_interval=args.stats_interval)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     request = GenerateRequest(
         request_id=uuid.uuid4().hex, sampling_params=params, arrival_time=time.monotonic(),
         prompt=args.prompt if args.raw else None,
         messages=None if args.raw else ({"role": "user", "content": args.prompt},))
+    status = 0
     try:
         async for event in engine.generate(request):
             if isinstance(event, RequestFailed):
                 print(f"error: {event.message}", file=sys.stderr)
+                status = 1
             elif isinstance(event, RequestOutput):
                 print(event.text, end="", flush=True)
         print()
     finally:
         await engine.shutdown()
+    return status
 
 
-def _run(coro) -> None:
+def _run(coro):
     try:
         import uvloop
-        uvloop.run(coro)
     except ImportError:
-        asyncio.run(coro)
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -264,17 +284,23 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvserve`` command; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from kvserve.log import configure_logging
 
     configure_logging(getattr(args, "log_format", "json"), getattr(args, "log_level", "info"))
     if args.command == "fetch-model":
         from kvserve.model.default_model import ensure_default_model
         print(ensure_default_model())
-    elif args.command == "serve":
-        _run(_serve(args))
-    elif args.command == "generate":
-        _run(_generate(args))
+    elif args.command in ("serve", "generate"):
+        try:
+            config = engine_config_from_args(args)
+        except ValueError as exc:  # inconsistent settings, e.g. a block size not a power of 2
+            parser.error(str(exc))
+        if args.command == "serve":
+            _run(_serve(args, config))
+        else:
+            return _run(_generate(args, config))
     elif args.command == "plan":
         return _plan(args)
     elif args.command == "analyze":

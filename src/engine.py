@@ -18,7 +18,7 @@ import structlog
 from kvserve.actors.admission import AdmissionActor, AdmissionLimits, InTransit
 from kvserve.actors.detokenizer import DetokenizerActor
 from kvserve.actors.messages import AbortRequest, GenerateRequest, RequestFailed
-from kvserve.actors.registry import StreamRegistry
+from kvserve.actors.registry import StreamRegistry, child_request_ids
 from kvserve.actors.scheduler import SchedulerActor
 from kvserve.actors.stream import RequestStream
 from kvserve.actors.tokenizer import TokenizerActor
@@ -232,13 +232,10 @@ class AsyncEngine:
         if not self._ready:
             return RequestFailed(rid, 503, "The server is not accepting requests "
                                  "(starting up or draining).", type="service_unavailable")
-        if self.streams.is_open(rid):
+        if not self.streams.can_open(rid, request.sampling_params.n):
             return RequestFailed(rid, 400, f"Request id {rid!r} is already in use.",
                                  param="X-Request-Id")
         return None
-
-    def _child_ids(self, request_id: str, n: int) -> tuple[str, ...]:
-        return (request_id,) if n == 1 else tuple(f"{request_id}-{i}" for i in range(n))
 
     def _expire(self, request_id: str, stream: RequestStream) -> None:
         """Deadline passed: end the stream with 504 and abort the request."""
@@ -247,7 +244,7 @@ class AsyncEngine:
         self.streams.fail(RequestFailed(
             request_id, 504, f"The request did not finish within --request-timeout "
             f"{self.request_timeout:g} s.", type="timeout", code="request_timeout"))
-        self.scheduler.send(AbortRequest(self._child_ids(request_id, stream.n), reason="abort"))
+        self.scheduler.send(AbortRequest(child_request_ids(request_id, stream.n), reason="abort"))
         log.info("request_timed_out", request_id=request_id, timeout_s=self.request_timeout)
 
     async def abort(self, request_id: str) -> None:
@@ -255,7 +252,7 @@ class AsyncEngine:
         stream = self.streams.close(request_id)
         if stream is None:
             return
-        self.scheduler.send(AbortRequest(self._child_ids(request_id, stream.n), reason="abort"))
+        self.scheduler.send(AbortRequest(child_request_ids(request_id, stream.n), reason="abort"))
         log.info("request_aborted", request_id=request_id)
 
     async def drain(self, timeout: float) -> int:
@@ -278,7 +275,7 @@ class AsyncEngine:
                                             "this request finished (--drain-timeout).",
                                             type="service_unavailable"))
             if stream is not None:
-                self.scheduler.send(AbortRequest(self._child_ids(request_id, stream.n)))
+                self.scheduler.send(AbortRequest(child_request_ids(request_id, stream.n)))
         log.info("drain_finished", failed_requests=len(left))
         return len(left)
 

@@ -56,3 +56,5 @@ def configure_logging(fmt: str = "json", level: str = "info", stream=None) -> No
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=numeric, stream=stream or _CurrentStderr(), format="%(message)s")
+    # httpx logs every request at INFO; in the tools that is noise between the results.
+    logging.getLogger("httpx").setLevel(max(numeric, logging.WARNING))

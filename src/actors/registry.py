@@ -8,6 +8,12 @@ from kvserve.actors.messages import RequestFailed, StreamEvent
 from kvserve.actors.stream import RequestStream
 
 
+def child_request_ids(request_id: str, n: int) -> tuple[str, ...]:
+    """The engine-internal ids of a request's ``n`` samples: the id itself
+    when ``n == 1``, else ``{id}-0`` ... ``{id}-{n-1}``."""
+    return (request_id,) if n == 1 else tuple(f"{request_id}-{i}" for i in range(n))
+
+
 class StreamRegistry:
     """Maps a client request id (the parent id for ``n > 1``) to its stream.
 
@@ -17,15 +23,25 @@ class StreamRegistry:
 
     def __init__(self) -> None:
         self._streams: dict[str, RequestStream] = {}
+        self._internal: set[str] = set()  # ids the engine core uses for open requests
         self.on_close: Callable[[str], None] | None = None  # called when an entry goes
 
     def open(self, request_id: str, n: int) -> RequestStream:
-        """Create and register a stream. Raises ``ValueError`` on a duplicate id."""
-        if request_id in self._streams:
+        """Create and register a stream. Raises ``ValueError`` if the id, or
+        the internal id of one of its samples, is in use (see ``can_open``)."""
+        if not self.can_open(request_id, n):
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = RequestStream(request_id, n)
         self._streams[request_id] = stream
+        self._internal.update(child_request_ids(request_id, n))
         return stream
+
+    def can_open(self, request_id: str, n: int) -> bool:
+        """False when ``request_id`` or any internal id its ``n`` samples would
+        use is held by an open request (client ids ``job`` with n=2 and
+        ``job-0`` must never meet inside the engine)."""
+        ids = {request_id, *child_request_ids(request_id, n)}
+        return not (ids & self._internal or ids & self._streams.keys())
 
     def is_open(self, request_id: str) -> bool:
         """True while the client still waits for this request."""
@@ -56,7 +72,10 @@ class StreamRegistry:
     def close(self, request_id: str) -> RequestStream | None:
         """Forget a stream (finished or aborted); returns it if it was open."""
         stream = self._streams.pop(request_id, None)
-        if stream is not None and self.on_close is not None:
+        if stream is None:
+            return None
+        self._internal.difference_update(child_request_ids(request_id, stream.n))
+        if self.on_close is not None:
             self.on_close(request_id)
         return stream
 

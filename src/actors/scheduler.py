@@ -66,6 +66,14 @@ class SchedulerActor(Actor):
         else:
             raise TypeError(f"unexpected message {type(message).__name__}")
 
+    def on_error(self, message, exc: Exception) -> None:
+        """A request that could not be queued fails alone (4xx-style error on
+        its stream); the actor keeps serving everyone else."""
+        if isinstance(message, TokenizedRequest) and self.detokenizer is not None:
+            self.detokenizer.send(TokenDelta(
+                request_id=message.request_id, new_token_ids=(), finish_reason="error",
+                num_prompt_tokens=len(message.prompt_token_ids), error=str(exc)))
+
     def _add(self, message: TokenizedRequest) -> None:
         request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
                           arrival_time=message.arrival_time, priority=message.priority,

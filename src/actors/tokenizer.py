@@ -6,7 +6,7 @@ import dataclasses
 
 from kvserve.actors.base import Actor
 from kvserve.actors.messages import GenerateRequest, RequestFailed, TokenizedRequest
-from kvserve.actors.registry import StreamRegistry
+from kvserve.actors.registry import StreamRegistry, child_request_ids
 from kvserve.core.sampling_params import SEED_MIN
 
 
@@ -114,13 +114,13 @@ def fan_out(message: GenerateRequest, prompt_ids: tuple[int, ...]) -> list[Token
     params = message.sampling_params
     n = params.n
     children = []
-    for index in range(n):
+    for index, child_id in enumerate(child_request_ids(message.request_id, n)):
         child_params = params
         if n > 1:
             seed = None if params.seed is None else _wrap_seed(params.seed + index)
             child_params = dataclasses.replace(params, n=1, seed=seed)
         children.append(TokenizedRequest(
-            request_id=message.request_id if n == 1 else f"{message.request_id}-{index}",
+            request_id=child_id,
             parent_id=message.request_id, index=index, prompt_token_ids=prompt_ids,
             sampling_params=child_params, arrival_time=message.arrival_time,
             priority=message.priority, request_class=message.request_class))

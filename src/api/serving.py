@@ -83,7 +83,25 @@ async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
                        code="invalid_json") from exc
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object", code="invalid_json")
+    _reject_lone_surrogates(data)
     return data
+
+
+def _reject_lone_surrogates(value: Any, path: str = "") -> None:
+    """400 for a string holding a lone UTF-16 surrogate (``"\\ud800"``): valid
+    JSON escapes, but not Unicode text, so no tokenizer can take it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"{path or 'A string'} contains a lone UTF-16 surrogate, "
+                           "which is not valid Unicode text", param=path or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _reject_lone_surrogates(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _reject_lone_surrogates(item, f"{path}.{index}")
 
 
 def _reject_constant(name: str) -> Any:

@@ -103,3 +103,12 @@ async def test_prompts_logged_only_with_log_prompts(engine, server_config):
         text = repr(logs)
         assert ("SECRET-PROMPT" in text) == log_prompts
         assert ("Hello world" in text) == log_prompts
+
+
+async def test_lone_surrogate_is_a_400_not_a_500(client) -> None:
+    """JSON may escape a lone surrogate; it is not text, so it is bad input."""
+    body = '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}'
+    response = await client.post("/v1/chat/completions", content=body,
+                                 headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages.0.content"
