@@ -102,28 +102,31 @@ def mean(values: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def correlation(xs: Sequence[float], ys: Sequence[float]) -> float | None:
-    """Pearson correlation of paired values (None for < 3 pairs or no spread)."""
+def _moments(xs: Sequence[float], ys: Sequence[float]) -> tuple[int, float, float, float]:
+    """(pairs, Sxx, Syy, Sxy) of the pairs where both values are known."""
     pairs = [(x, y) for x, y in zip(xs, ys) if x is not None and y is not None]
-    if len(pairs) < 3:
-        return None
+    if not pairs:
+        return 0, 0.0, 0.0, 0.0
     mx = sum(p[0] for p in pairs) / len(pairs)
     my = sum(p[1] for p in pairs) / len(pairs)
-    sxx = sum((p[0] - mx) ** 2 for p in pairs)
-    syy = sum((p[1] - my) ** 2 for p in pairs)
-    if sxx <= 0 or syy <= 0:
+    sxx = sum((x - mx) ** 2 for x, _ in pairs)
+    syy = sum((y - my) ** 2 for _, y in pairs)
+    sxy = sum((x - mx) * (y - my) for x, y in pairs)
+    return len(pairs), sxx, syy, sxy
+
+
+def correlation(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Pearson correlation of paired values (None for < 3 pairs or no spread)."""
+    n, sxx, syy, sxy = _moments(xs, ys)
+    if n < 3 or sxx <= 0 or syy <= 0:
         return None
-    return sum((p[0] - mx) * (p[1] - my) for p in pairs) / math.sqrt(sxx * syy)
+    return sxy / math.sqrt(sxx * syy)
 
 
 def slope(xs: Sequence[float], ys: Sequence[float]) -> float | None:
-    pairs = [(x, y) for x, y in zip(xs, ys) if x is not None and y is not None]
-    if len(pairs) < 2:
-        return None
-    mx = sum(p[0] for p in pairs) / len(pairs)
-    my = sum(p[1] for p in pairs) / len(pairs)
-    sxx = sum((p[0] - mx) ** 2 for p in pairs)
-    return None if sxx <= 0 else sum((p[0] - mx) * (p[1] - my) for p in pairs) / sxx
+    """Least-squares slope of y on x (None for < 2 pairs or no spread in x)."""
+    n, sxx, _, sxy = _moments(xs, ys)
+    return None if n < 2 or sxx <= 0 else sxy / sxx
 
 
 def summarize(values: Sequence[float]) -> dict[str, float | None | int]:

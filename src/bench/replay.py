@@ -627,11 +627,8 @@ def replay_trace(args: argparse.Namespace, base_url: str) -> dict:
     common = dict(endpoint=args.endpoint, model=model, ignore_eos=args.ignore_eos,
                   temperature=args.temperature, priority_via=args.priority_via,
                   api_key=args.api_key, timeout=args.timeout)
-    if args.warmup:
-        warm = [replace(r, arrival_s=0.0, id=f"warmup-{r.id}") for r in requests[:args.warmup]]
-        asyncio.run(run_replay(warm, base_url, progress=False, **common))
-    results, duration = asyncio.run(run_replay(requests, base_url, max_concurrency=max_conc,
-                                               progress=args.progress, **common))
+    results, duration = replay_with_warmup(requests, base_url, args.warmup, max_conc,
+                                           args.progress, **common)
     result = {
         "schema": "kvserve.bench.result/1",
         "label": args.label,
@@ -690,3 +687,14 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def replay_with_warmup(requests: list, base_url: str, warmup: int, max_concurrency: int | None,
+                       progress: bool, **common) -> tuple[list, float]:
+    """Send the first ``warmup`` requests at once (results discarded), then
+    replay ``requests``; returns ``run_replay``'s (results, duration in s)."""
+    if warmup:
+        warm = [replace(r, arrival_s=0.0, id=f"warmup-{r.id}") for r in requests[:warmup]]
+        asyncio.run(run_replay(warm, base_url, progress=False, **common))
+    return asyncio.run(run_replay(requests, base_url, max_concurrency=max_concurrency,
+                                  progress=progress, **common))

@@ -31,12 +31,10 @@ Output (``--out-dir``): one result JSON per value (``point-<value>.json``),
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from kvserve.bench.replay import (
@@ -44,7 +42,7 @@ from kvserve.bench.replay import (
     format_summary,
     provenance,
     retime,
-    run_replay,
+    replay_with_warmup,
     server_info,
     summarize_all,
 )
@@ -127,11 +125,8 @@ def run_point(args, requests, value, base_url, meta) -> dict:
     reqs, max_conc = _point_requests(args, requests, value)
     common = dict(endpoint=args.endpoint, model=model, ignore_eos=True, temperature=0.0,
                   api_key=args.api_key, timeout=args.timeout)
-    if args.warmup:
-        warm = [replace(r, arrival_s=0.0, id=f"warmup-{r.id}") for r in reqs[:args.warmup]]
-        asyncio.run(run_replay(warm, base_url, progress=False, **common))
-    results, duration = asyncio.run(run_replay(reqs, base_url, max_concurrency=max_conc,
-                                               progress=args.progress, **common))
+    results, duration = replay_with_warmup(reqs, base_url, args.warmup, max_conc,
+                                           args.progress, **common)
     return {"schema": "kvserve.bench.result/1", "label": f"{args.variable}={value:g}",
             "value": value, "variable": args.variable,
             "provenance": provenance(args.trace, base_url, server, None, meta),
