@@ -16,3 +16,16 @@ def default_model_path() -> Path:
     from kvserve.model.default_model import ensure_default_model
 
     return ensure_default_model()
+
+
+def pytest_report_header(config) -> str:
+    """Say at the top of every run whether the golden outputs were found."""
+    from golden import golden_cases, missing_message
+
+    try:
+        cases = golden_cases()
+    except (FileNotFoundError, ValueError) as exc:
+        return f"golden: REQUIRED AND UNUSABLE -- {exc}"
+    if not cases:
+        return f"golden: MISSING, the golden tests will skip -- {missing_message()}"
+    return f"golden: {len(cases)} cases"

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from golden import golden_cases
+from golden import golden_params
 from kvserve.bench.server import ServerProcess, free_port
 from kvserve.actors.messages import (
     GenerateRequest,
@@ -38,8 +38,8 @@ SERVER_MAX_MODEL_LEN = 512
 LOGIT_TOL = 1e-3
 EOS_ID = 2
 
-GOLDEN = golden_cases()
-GOLDEN_IDS = [g["case"]["name"] for g in GOLDEN]
+#: One pytest.param per golden case (a loud skip when the folder is absent).
+GOLDEN = golden_params()
 
 
 # --------------------------------------------------------------------------- greedy rule

@@ -12,14 +12,12 @@ import pytest
 from e2e_support import (
     EOS_ID,
     GOLDEN,
-    GOLDEN_IDS,
     assert_top5_close,
     first_divergence,
     make_request,
 )
 
-pytestmark = [pytest.mark.model,
-              pytest.mark.skipif(not GOLDEN, reason="golden folder not found")]
+pytestmark = pytest.mark.model
 
 
 def _request(entry: dict, request_id: str):
@@ -28,7 +26,7 @@ def _request(entry: dict, request_id: str):
                         max_tokens=case["max_tokens"], logprobs=5)
 
 
-@pytest.mark.parametrize("entry", GOLDEN, ids=GOLDEN_IDS)
+@pytest.mark.parametrize("entry", GOLDEN)
 def test_golden_in_process(e2e_engine, entry: dict) -> None:
     name = entry["case"]["name"]
     result = e2e_engine.generate(_request(entry, f"golden-{name}"))

@@ -14,14 +14,12 @@ import pytest
 from e2e_support import (
     EOS_ID,
     GOLDEN,
-    GOLDEN_IDS,
     assert_top5_close,
     first_divergence,
     post_stream,
 )
 
-pytestmark = [pytest.mark.model,
-              pytest.mark.skipif(not GOLDEN, reason="golden folder not found")]
+pytestmark = pytest.mark.model
 
 
 def _stream_case(http, entry: dict):
@@ -64,7 +62,7 @@ def _stream_case(http, entry: dict):
     return result, tokens, tops, "".join(text), finish
 
 
-@pytest.mark.parametrize("entry", GOLDEN, ids=GOLDEN_IDS)
+@pytest.mark.parametrize("entry", GOLDEN)
 def test_golden_http_streaming(http, e2e_tokenizer, entry: dict) -> None:
     name = entry["case"]["name"]
 

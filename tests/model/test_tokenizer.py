@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from golden import golden_cases
+from golden import golden_params
 from kvserve.model.tokenizer import Tokenizer
 
-GOLDEN = golden_cases()
+GOLDEN = golden_params()
 
 ROUND_TRIP_STRINGS = [
     "Café 東京 🎉",
@@ -37,16 +37,14 @@ def render(tok: Tokenizer, case: dict) -> str:
 
 
 @pytest.mark.model
-@pytest.mark.skipif(not GOLDEN, reason="golden folder not found")
-@pytest.mark.parametrize("entry", GOLDEN, ids=[g["case"]["name"] for g in GOLDEN])
+@pytest.mark.parametrize("entry", GOLDEN)
 def test_golden_prompt_ids(tok: Tokenizer, entry: dict) -> None:
     ids = tok.encode(render(tok, entry["case"]))
     assert ids == entry["prompt_token_ids"]
 
 
 @pytest.mark.model
-@pytest.mark.skipif(not GOLDEN, reason="golden folder not found")
-@pytest.mark.parametrize("entry", GOLDEN, ids=[g["case"]["name"] for g in GOLDEN])
+@pytest.mark.parametrize("entry", GOLDEN)
 def test_golden_output_text(tok: Tokenizer, entry: dict) -> None:
     assert tok.decode(entry["output_token_ids"]) == entry["output_text"]
 
