@@ -50,6 +50,22 @@ def test_hash_request_blocks_skips_partial_and_resumes():
     assert hash_request_blocks(tokens, BS, hashes[0], start_block=1) == hashes[1:]
 
 
+def test_block_hash_chains_the_prefix():
+    """Equal blocks after different prefixes hash differently (the K/V differ)."""
+    a = hash_request_blocks([1, 2, 3, 4, 5, 6, 7, 8], BS)
+    b = hash_request_blocks([9, 9, 9, 9, 5, 6, 7, 8], BS)
+    assert a[0] != b[0] and a[1] != b[1]
+    assert a[1] == hash_block_tokens(a[0], [5, 6, 7, 8])
+
+
+def test_block_seen_at_another_position_is_no_hit():
+    """A prompt that starts with another prompt's second block must not reuse it."""
+    manager = KVCacheManager(16, BS)
+    run_prefill(manager, make_req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert manager.get_computed_blocks(make_req("b", [5, 6, 7, 8, 1, 2]))[1] == 0
+    assert manager.get_computed_blocks(make_req("c", [1, 2, 3, 4, 5, 6, 7, 8, 0]))[1] == 8
+
+
 # --------------------------------------------------------------- block pool
 
 def test_pool_allocates_from_head_and_ref_counts():
