@@ -1,0 +1,209 @@
+"""Mutation check: does the fast suite fail when the numerics are wrong?
+
+Each mutant is a deliberate small fault (a wrong attention scale, RoPE
+direction, norm epsilon, residual, sampler filter, penalty sign, block-hash
+link, slot offset ...). For each one the tool copies ``src/`` and ``tests/``
+into a temporary folder, applies the fault there (the checkout is never
+touched), and runs the mutant's fast tests (``-m "not model"``: no default
+model, no shared folder) with ``kvserve`` imported from the copy. A mutant is
+*killed* when a test fails; every mutant must be killed. An unmutated baseline
+runs first and must pass, so a broken copy cannot pass for a kill.
+
+Usage::
+
+    python tools/mutation_check.py            # all mutants, table at the end
+    python tools/mutation_check.py --list     # names and what each one breaks
+    python tools/mutation_check.py --only attention_scale rope_direction
+
+Exit status: 0 when every mutant was killed, 1 otherwise, 2 when a mutant no
+longer applies (its text is not found the expected number of times) or the
+baseline fails.
+
+Adding a mutant: append a ``Mutant`` to ``MUTANTS`` with a name, the file
+under ``src/``, one or more ``(old, new)`` edits (``old`` must occur exactly
+``count`` times in that file; keep it to one line where you can), the test
+paths that should kill it, and one line on what it breaks. Run
+``--only NAME``: if it survives, the suite has a hole -- write the test that
+kills it, do not weaken the mutant. When a refactor moves the mutated text,
+the tool stops with exit 2 naming the mutant; update its ``old`` text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+SAMPLER_TESTS = ("tests/model/test_sampler.py",)
+FORWARD_TESTS = ("tests/model/test_forward_reference.py",)
+KERNEL_TESTS = ("tests/cpu/test_kernels.py",) + FORWARD_TESTS
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One deliberate fault.
+
+    ``file`` is relative to ``src/``; each ``(old, new)`` edit replaces all
+    ``count`` occurrences of ``old`` (exactly that many must exist);
+    ``tests`` are pytest paths relative to the repository root.
+    """
+
+    name: str
+    file: str
+    edits: tuple[tuple[str, str], ...]
+    tests: tuple[str, ...]
+    breaks: str
+    count: int = 1
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant("attention_scale", "model/llama.py",
+           (("self.scale = config.head_dim ** -0.5", "self.scale = config.head_dim ** -0.45"),),
+           FORWARD_TESTS, "softmax scale hd^-0.45 instead of hd^-0.5"),
+    Mutant("rope_theta", "model/llama.py",
+           (("config.head_dim, config.max_position_embeddings, config.rope_theta))",
+             "config.head_dim, config.max_position_embeddings, config.rope_theta * 2))"),),
+           FORWARD_TESTS, "RoPE base frequency doubled"),
+    Mutant("rope_direction", "cpu/kernels.py",
+           (("x[t, h, i] = x1 * c - x2 * s", "x[t, h, i] = x1 * c + x2 * s"),
+            ("x[t, h, half + i] = x2 * c + x1 * s", "x[t, h, half + i] = x2 * c - x1 * s")),
+           KERNEL_TESTS, "rotation by -angle instead of +angle"),
+    Mutant("rms_norm_eps_placement", "cpu/kernels.py",
+           (("inv = np.float32(1.0 / np.sqrt(ss / H + eps))",
+             "inv = np.float32(1.0 / (np.sqrt(ss / H) + eps))"),),
+           KERNEL_TESTS, "1/(sqrt(mean)+eps) instead of 1/sqrt(mean+eps)", count=2),
+    Mutant("residual_order", "model/llama.py",
+           (("ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)",
+             "ops.fused_add_rms_norm(residual, x, layer.post_norm, cfg.rms_norm_eps)"),),
+           FORWARD_TESTS, "attention output and residual stream swapped"),
+    Mutant("slot_mapping_offset", "model/runner.py",
+           (("+ positions % block_size)", "+ (positions + 1) % block_size)"),),
+           FORWARD_TESTS, "each token's K/V written one slot off"),
+    Mutant("block_hash_parent_link", "core/block_hash.py",
+           (("parent_hash = hash_block_tokens(parent_hash, block, keys)",
+             "parent_hash = hash_block_tokens(None, block, keys)"),),
+           ("tests/core/test_core_kv_cache_manager.py",) + FORWARD_TESTS,
+           "a block's hash ignores its prefix (two prompts share a block after different prefixes)"),
+    Mutant("gqa_head_mapping", "cpu/kernels.py",
+           (("qbuf[qi * group + g, d] = q[t0 + qi, kvh * group + g, d] * scale",
+             "qbuf[qi * group + g, d] = q[t0 + qi, kvh + g * group, d] * scale"),),
+           KERNEL_TESTS, "query head h reads the wrong KV head (interleaved instead of grouped)"),
+)
+
+
+def _apply(mutant: Mutant, root: Path) -> None:
+    """Apply ``mutant``'s edits to the copy under ``root``.
+
+    Raises LookupError when an edit's text does not occur ``count`` times.
+    """
+    path = root / "src" / mutant.file
+    text = path.read_text(encoding="utf-8")
+    for old, new in mutant.edits:
+        found = text.count(old)
+        if found != mutant.count:
+            raise LookupError(f"mutant {mutant.name}: {old!r} occurs {found} times in "
+                              f"src/{mutant.file}, expected {mutant.count}; update the mutant")
+        text = text.replace(old, new)
+    path.write_text(text, encoding="utf-8")
+
+
+def _copy_tree(dest: Path) -> None:
+    """Copy what the tests need (``src``, ``tests``, ``pyproject.toml``) to
+    ``dest``, keeping mtimes so that Numba's on-disk cache stays valid for
+    the files a mutant does not touch; ``dest/site/kvserve`` points at the copy."""
+    for name in ("src", "tests"):
+        shutil.copytree(REPO / name, dest / name, symlinks=True,
+                        ignore=shutil.ignore_patterns(".pytest_cache", ".hypothesis"))
+    shutil.copy2(REPO / "pyproject.toml", dest / "pyproject.toml")
+    (dest / "site").mkdir()
+    (dest / "site" / "kvserve").symlink_to(dest / "src", target_is_directory=True)
+
+
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+
+
+def _run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[bool, str, str]:
+    """Run ``tests`` in the copy. Returns (passed, first failing test, output tail)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "KVSERVE_REQUIRE_GOLDEN")}
+    env["PYTHONPATH"] = str(root / "site")
+    env["KVSERVE_GOLDEN"] = str(root / "no-golden")  # as in a plain clone
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-m", "not model",
+           "-p", "no:cacheprovider", "--hypothesis-seed=0", *tests]
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, "(timeout)", ""
+    out = proc.stdout + proc.stderr
+    failed = _FAILED.search(out)
+    return proc.returncode == 0, failed.group(1) if failed else f"(exit {proc.returncode})", out[-3000:]
+
+
+def check(mutant: Mutant | None, timeout: float) -> tuple[bool, str, float, str]:
+    """Copy, mutate (None: baseline), run. Returns (passed, killer, seconds, output)."""
+    with tempfile.TemporaryDirectory(prefix="kvserve-mutant-") as tmp:
+        root = Path(tmp)
+        _copy_tree(root)
+        if mutant is not None:
+            _apply(mutant, root)
+        tests = mutant.tests if mutant else tuple(dict.fromkeys(
+            t for m in MUTANTS for t in m.tests))
+        start = time.monotonic()
+        passed, killer, out = _run_tests(root, tests, timeout)
+        return passed, killer, time.monotonic() - start, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant run")
+    args = parser.parse_args(argv)
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:26s} src/{m.file:22s} {m.breaks}")
+        return 0
+    unknown = set(args.only or ()) - {m.name for m in MUTANTS}
+    if unknown:
+        parser.error(f"unknown mutant(s): {', '.join(sorted(unknown))}")
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+
+    passed, killer, seconds, out = check(None, args.timeout)
+    print(f"baseline (no mutant): {'passed' if passed else 'FAILED'} in {seconds:.1f} s", flush=True)
+    if not passed:
+        print(out, file=sys.stderr)
+        print(f"error: the unmutated tests fail ({killer}); fix that first", file=sys.stderr)
+        return 2
+    rows = []
+    for mutant in chosen:
+        try:
+            passed, killer, seconds, _ = check(mutant, args.timeout)
+        except LookupError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        status = "SURVIVED" if passed else "killed"
+        rows.append((mutant.name, status, "-" if passed else killer, seconds))
+        print(f"{mutant.name}: {status} ({seconds:.1f} s)", flush=True)
+
+    print()
+    print("| mutant | result | killed by | seconds |")
+    print("|---|---|---|---|")
+    for name, status, by, seconds in rows:
+        print(f"| {name} | {status} | {by} | {seconds:.1f} |")
+    survivors = [r[0] for r in rows if r[1] == "SURVIVED"]
+    print(f"\n{len(rows) - len(survivors)} of {len(rows)} mutants killed"
+          + (f"; survivors: {', '.join(survivors)}" if survivors else ""))
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
