@@ -3,10 +3,19 @@
 Runs on the host in NumPy for every backend: a [R, vocab] float32 block is
 small next to the forward pass, and per-request options differ row by row.
 
-Order of operations follows vLLM's sampler: logit bias, min-tokens masking,
-repetition/presence/frequency penalties, then (for random sampling)
-temperature, top-k, top-p, min-p, and one draw from the request's generator.
-Greedy rows (temperature 0) take the argmax of the processed logits.
+Order of operations: logit bias, min_tokens masking (EOS and
+``stop_token_ids`` banned while fewer than ``min_tokens`` tokens were
+generated), repetition penalty, presence/frequency penalties; then, for
+random rows, temperature -> top-k -> top-p -> min-p and one inverse-CDF draw
+from the request's generator. Greedy rows (temperature 0) take the argmax of
+the processed logits.
+
+The warper order is Hugging Face transformers' (TemperatureLogitsWarper,
+TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper) and llama.cpp's default
+sampler chain for these three. vLLM V1 applies min-p before top-k/top-p; we
+deliberately follow HF. The two differ: probabilities [.4, .3, .2, .1] with
+top_p .75 and min_p .3 keep {0, 1, 2} here (top-p keeps the three tokens
+reaching .75, min-p's threshold .12 keeps all three), {0, 1} in vLLM V1.
 """
 
 from __future__ import annotations
@@ -82,35 +91,63 @@ def apply_penalties(logits: np.ndarray, state: SamplingState) -> None:
 
 
 def _needs_processing(p: SamplingParams) -> bool:
+    """True when ``apply_penalties`` would change the row."""
     return bool(p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0
                 or p.presence_penalty or p.frequency_penalty)
+
+
+Filtered = tuple[np.ndarray, np.ndarray]
+
+
+def _top_k(weights: np.ndarray, candidates: np.ndarray, p: SamplingParams) -> Filtered:
+    """Keep the ``top_k`` largest weights (0 or -1, or k >= count: all)."""
+    if not 0 < p.top_k < weights.shape[0]:
+        return weights, candidates
+    keep = np.argpartition(-weights, p.top_k - 1)[: p.top_k]
+    return weights[keep], candidates[keep]
+
+
+def _top_p(weights: np.ndarray, candidates: np.ndarray, p: SamplingParams) -> Filtered:
+    """Keep the smallest most-likely set whose mass reaches ``top_p``
+    (Holtzman et al. 2019): a token stays when the mass strictly before it,
+    in descending order, is below ``top_p``, so the token crossing the
+    threshold is kept. Returns the kept tokens in descending order."""
+    if p.top_p >= 1.0:
+        return weights, candidates
+    order = np.argsort(-weights, kind="stable")
+    cumulative = np.cumsum(weights[order])
+    keep = cumulative - weights[order] < p.top_p * cumulative[-1]
+    order = order[keep]
+    return weights[order], candidates[order]
+
+
+def _min_p(weights: np.ndarray, candidates: np.ndarray, p: SamplingParams) -> Filtered:
+    """Drop tokens below ``min_p`` x the largest probability (Nguyen et al. 2024)."""
+    if p.min_p <= 0.0:
+        return weights, candidates
+    keep = weights >= p.min_p * weights.max()
+    return weights[keep], candidates[keep]
+
+
+#: Warpers applied after temperature, in order (Hugging Face's order).
+_FILTERS = (_top_k, _top_p, _min_p)
 
 
 def sample_row(logits: np.ndarray, state: SamplingState) -> int:
     """Draw one token id from processed float32[V] logits (random sampling).
 
-    Inverse-CDF sampling with exactly one uniform draw from the request's
-    generator. top-k keeps the k largest logits, top-p the smallest set whose
-    probability reaches p (Holtzman et al. 2019), min-p drops tokens below
-    ``min_p * max_prob`` (Nguyen et al. 2024).
+    Scales by the temperature in float64, turns the row into unnormalised
+    probabilities float64[V], runs ``_FILTERS`` (top-k -> top-p -> min-p;
+    each sees the mass left by the previous one), then inverse-CDF samples
+    with exactly one uniform draw from ``state.generator``.
     """
     p = state.params
     scaled = logits.astype(np.float64) / p.temperature
-    candidates = np.arange(scaled.shape[0])
-    if p.top_k and 0 < p.top_k < scaled.shape[0]:
-        candidates = np.argpartition(-scaled, p.top_k - 1)[: p.top_k]
-        scaled = scaled[candidates]
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    if p.min_p > 0.0:
-        probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
-    if p.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        keep = cumulative - probs[order] < p.top_p * cumulative[-1]
-        order = order[keep]
-        candidates, probs = candidates[order], probs[order]
-    cdf = np.cumsum(probs)
+    weights = np.exp(scaled - scaled.max())
+    candidates = np.arange(weights.shape[0])
+    for step in _FILTERS:
+        weights, candidates = step(weights, candidates, p)
+    cdf = np.cumsum(weights)
     u = state.generator.random() * cdf[-1]
     index = min(int(np.searchsorted(cdf, u, side="right")), len(cdf) - 1)
     return int(candidates[index])
