@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 from fake_engine import FakeEngine, failing
 
 from kvserve.api import build_app
 from kvserve.config import ServerConfig
 
-openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.anyio
 MESSAGES = [{"role": "user", "content": "Hi"}]
 

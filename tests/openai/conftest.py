@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
@@ -54,7 +55,6 @@ def http(server: LiveServer):
 @pytest.fixture
 def oai(server: LiveServer):
     """The official ``openai`` client, unmodified, on the live server."""
-    openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0,
                            timeout=180.0)
     yield client
