@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install model serve test test-fast bench clean
+.PHONY: install model serve test test-fast mutation-check bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,9 +27,14 @@ serve: install
 test: install
 	$(PY) -m pytest -q $(ARGS)
 
-## The tests that need no model.
+## The tests that need no model and no shared folder (a plain clone).
 test-fast: install
 	$(PY) -m pytest -q -m "not model" $(ARGS)
+
+## Apply each deliberate fault of tools/mutation_check.py to a copy of src/ and
+## check that the fast tests fail for every one (prints a table).
+mutation-check: install
+	$(PY) tools/mutation_check.py $(ARGS)
 
 ## Bounded benchmark (< 5 min on 2 cores): start kvserve on a free port, replay the
 ## fixed trace tools/baseline/trace.jsonl, compare with tools/baseline/result.json.
