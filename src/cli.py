@@ -59,6 +59,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs-mode", default="processed_logprobs",
                    choices=["processed_logprobs", "raw_logprobs", "raw_logits"])
     p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    p.add_argument("--num-threads", type=POSITIVE_INT, default=None,
+                   help="CPU threads for both BLAS and Numba kernels (default: the CPUs this "
+                        "process may use); logged at start-up as 'thread_policy'")
     p.add_argument("--log-format", default="json", choices=["json", "console"])
     p.add_argument("--log-level", default="info",
                    help="debug adds a 'step' event per model step")
@@ -81,7 +84,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     cache = CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                         enable_prefix_caching=args.enable_prefix_caching)
     return EngineConfig(model=model, backend=args.backend, cache=cache, scheduler=scheduler,
-                        logprobs_mode=args.logprobs_mode, seed=args.seed)
+                        logprobs_mode=args.logprobs_mode, seed=args.seed,
+                        num_threads=args.num_threads)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -132,7 +132,8 @@ class EngineConfig:
     (log-softmax after penalties and temperature, the OpenAI reference's
     definition; the default), ``raw_logprobs`` (log-softmax of the raw
     logits) or ``raw_logits`` (the logits themselves, to compare against
-    reference outputs).
+    reference outputs). ``num_threads``: CPU threads of both BLAS and Numba
+    (None: the CPUs this process may use; see ``kvserve.cpu.threads``).
     """
 
     model: str
@@ -142,8 +143,11 @@ class EngineConfig:
     max_logprobs: int = 20
     logprobs_mode: str = "processed_logprobs"
     seed: int = 0
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.backend not in ("cpu", "cuda"):
             raise ValueError(f"backend must be cpu or cuda, got {self.backend!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:

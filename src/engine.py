@@ -38,10 +38,15 @@ from kvserve.stats_logger import StatsObserver
 log = structlog.get_logger("kvserve.engine")
 
 
-def _make_ops(backend: str):
+def _make_ops(backend: str, num_threads: int | None):
     if backend == "cpu":
         from kvserve.cpu.ops import CpuOps
-        return CpuOps()
+        from kvserve.cpu.threads import apply_thread_policy, resolve_num_threads
+
+        policy = apply_thread_policy(resolve_num_threads(num_threads))
+        log.info("thread_policy", message=f"CPU threads: {policy.num_threads} for BLAS and "
+                 f"Numba ({policy.available_cpus} CPUs available)", **policy.log_fields())
+        return CpuOps(num_threads=policy.num_threads)
     raise ValueError(f"backend {backend!r} is not available in this build; use --backend cpu")
 
 
@@ -69,7 +74,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     path = Path(config.model)
     model_config = load_model_config(path)
     tokenizer = Tokenizer(path)
-    ops = _make_ops(config.backend)
+    ops = _make_ops(config.backend, config.num_threads)
     weights = load_weights(path, model_config)
     weights_bytes = sum(array.nbytes for array in weights.values())
     model = LlamaModel(model_config, weights, ops)

@@ -59,7 +59,8 @@ async def run(args: argparse.Namespace) -> dict:
 
     model = args.model or str(ensure_default_model())
     config = EngineConfig(model=model, cache=CacheConfig(kv_cache_memory=parse_size(args.kv_cache_memory)),
-                          scheduler=SchedulerConfig(max_num_seqs=max(64, args.concurrency)))
+                          scheduler=SchedulerConfig(max_num_seqs=max(64, args.concurrency)),
+                          num_threads=args.num_threads)
     t0 = time.perf_counter()
     engine = await AsyncEngine.start(config)
     load_seconds = time.perf_counter() - t0
@@ -98,6 +99,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="CPU threads for BLAS and Numba (default: the engine's)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
     configure_logging("console", "warning")

@@ -69,6 +69,12 @@ class CpuOps:
     Args:
         tile_q: queries of one sequence per attention work item (default
             ``kernels.DEFAULT_TILE_Q``).
+        num_threads: Numba threads of the parallel kernels, applied on the
+            thread that calls them (None: Numba's current setting). BLAS
+            threads are process-wide: ``kvserve.cpu.threads.apply_thread_policy``.
+
+    Raises ValueError for ``tile_q`` < 1 or ``num_threads`` outside
+    [1, NUMBA_NUM_THREADS].
 
     Thread safety: Numba kernels release the GIL; the parallel attention
     kernel uses Numba's threading layer and should be called from one thread
@@ -77,10 +83,21 @@ class CpuOps:
 
     name = "cpu"
 
-    def __init__(self, tile_q: int = kernels.DEFAULT_TILE_Q) -> None:
+    def __init__(self, tile_q: int = kernels.DEFAULT_TILE_Q, num_threads: int | None = None) -> None:
         if tile_q < 1:
             raise ValueError(f"tile_q must be >= 1, got {tile_q}")
+        if num_threads is not None and not 1 <= num_threads <= numba.config.NUMBA_NUM_THREADS:
+            raise ValueError(f"num_threads must be in [1, {numba.config.NUMBA_NUM_THREADS}], "
+                             f"got {num_threads}")
         self.tile_q = int(tile_q)
+        self.num_threads = num_threads
+
+    def _threads(self) -> int:
+        """Numba threads for a parallel kernel, set on the calling thread
+        (Numba's setting is per thread; see ``kvserve.cpu.threads``)."""
+        if self.num_threads is not None and numba.get_num_threads() != self.num_threads:
+            numba.set_num_threads(self.num_threads)
+        return numba.get_num_threads()
 
     # ------------------------------------------------------------------ #
     # dense ops
@@ -249,7 +266,7 @@ class CpuOps:
         out = np.zeros_like(qq)
         if S:
             kernels.paged_attention_kernel(qq, kv_cache, bt, sl, qsl, np.float32(scale),
-                                           self.tile_q, numba.get_num_threads(), out)
+                                           self.tile_q, self._threads(), out)
         return out
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,

@@ -1,0 +1,56 @@
+"""The CPU thread policy: one number sizes both the BLAS and the Numba pools."""
+
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info, threadpool_limits
+
+from kvserve.cpu.ops import CpuOps
+from kvserve.cpu.threads import apply_thread_policy, available_cpus, resolve_num_threads
+
+
+def blas_threads() -> list[int]:
+    return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+
+def test_resolve_defaults_to_available_cpus_capped_by_numba():
+    assert resolve_num_threads(None) == min(available_cpus(), numba.config.NUMBA_NUM_THREADS)
+    assert resolve_num_threads(1) == 1
+    assert resolve_num_threads(10_000) == numba.config.NUMBA_NUM_THREADS
+    with pytest.raises(ValueError, match="num_threads"):
+        resolve_num_threads(0)
+
+
+def test_apply_limits_blas_and_numba_and_reports_it():
+    before = numba.get_num_threads()
+    with threadpool_limits(limits=None):  # restores the BLAS limits on exit
+        policy = apply_thread_policy(1)
+        assert blas_threads() and set(blas_threads()) == {1}
+        assert numba.get_num_threads() == 1
+        assert policy.num_threads == 1 and policy.blas
+        assert policy.log_fields()["num_threads"] == 1
+    numba.set_num_threads(before)
+
+
+def test_cpu_ops_apply_numba_threads_on_the_calling_thread():
+    """Numba's thread count is per thread: the ops set it where they run."""
+    ops = CpuOps(num_threads=1)
+    seen = []
+
+    def worker():
+        seen.append(numba.get_num_threads())
+        seen.append(ops._threads())
+        seen.append(numba.get_num_threads())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(timeout=30)
+    assert seen[1:] == [1, 1]
+    with pytest.raises(ValueError, match="num_threads"):
+        CpuOps(num_threads=0)
+    with pytest.raises(ValueError, match="num_threads"):
+        CpuOps(num_threads=numba.config.NUMBA_NUM_THREADS + 1)
