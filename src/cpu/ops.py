@@ -13,11 +13,37 @@ import numba
 import numpy as np
 
 from kvserve.cpu import kernels
+from kvserve.cpu.prefill_attention import prefill_attention
 from kvserve.model.ops import build_rope_cache
 
 __all__ = ["CpuOps", "build_rope_cache"]
 
 _F32 = np.float32
+#: New tokens from which a sequence's attention takes the BLAS prefill path.
+PREFILL_MIN_QUERIES = 16
+
+
+def _check_prefill_metadata(bt: np.ndarray, sl: np.ndarray, qsl: np.ndarray, T: int,
+                            num_blocks: int, block_size: int) -> None:
+    """What the Numba kernel checks, for sequences that bypass it.
+
+    Raises ValueError: query_start_loc decreasing or outside [0, T], a
+    sequence with fewer context than new tokens, a block table too narrow,
+    or a block id outside the cache.
+    """
+    n_new = np.diff(qsl)
+    if qsl[0] < 0 or (n_new < 0).any() or qsl[-1] > T:
+        raise ValueError("paged_attention: query_start_loc must be non-decreasing within [0, T]")
+    active = n_new > 0
+    if (sl[active] < n_new[active]).any():
+        raise ValueError("paged_attention: seq_lens[s] smaller than the sequence's new tokens")
+    needed = -(-sl.astype(np.int64) // block_size)
+    if (needed[active] > bt.shape[1]).any():
+        raise ValueError("paged_attention: block_tables too narrow for seq_lens")
+    used = np.arange(bt.shape[1])[None, :] < needed[:, None]
+    ids = bt[used & active[:, None]]
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        raise ValueError("paged_attention: block id out of range of the KV cache")
 
 
 def _f32(a: np.ndarray, name: str, ndim: int) -> np.ndarray:
@@ -72,6 +98,10 @@ class CpuOps:
         num_threads: Numba threads of the parallel kernels, applied on the
             thread that calls them (None: Numba's current setting). BLAS
             threads are process-wide: ``kvserve.cpu.threads.apply_thread_policy``.
+        prefill_min_queries: a sequence with at least this many new tokens
+            in a step takes the BLAS prefill path
+            (``kvserve.cpu.prefill_attention``); shorter ones (decodes, small
+            chunks) the Numba paged-attention kernel.
 
     Raises ValueError for ``tile_q`` < 1 or ``num_threads`` outside
     [1, NUMBA_NUM_THREADS].
@@ -83,9 +113,12 @@ class CpuOps:
 
     name = "cpu"
 
-    def __init__(self, tile_q: int = kernels.DEFAULT_TILE_Q, num_threads: int | None = None) -> None:
-        if tile_q < 1:
-            raise ValueError(f"tile_q must be >= 1, got {tile_q}")
+    def __init__(self, tile_q: int = kernels.DEFAULT_TILE_Q, num_threads: int | None = None,
+                 prefill_min_queries: int = PREFILL_MIN_QUERIES) -> None:
+        if tile_q < 1 or prefill_min_queries < 1:
+            raise ValueError(f"tile_q and prefill_min_queries must be >= 1, got {tile_q} "
+                             f"and {prefill_min_queries}")
+        self.prefill_min_queries = int(prefill_min_queries)
         if num_threads is not None and not 1 <= num_threads <= numba.config.NUMBA_NUM_THREADS:
             raise ValueError(f"num_threads must be in [1, {numba.config.NUMBA_NUM_THREADS}], "
                              f"got {num_threads}")
@@ -264,10 +297,39 @@ class CpuOps:
             raise ValueError(f"paged_attention: {S} seq_lens need query_start_loc of {S + 1} "
                              f"and block_tables of {S} rows, got {qsl.shape[0]} and {bt.shape[0]}")
         out = np.zeros_like(qq)
-        if S:
+        if not S:
+            return out
+        n_new = np.diff(qsl)
+        long = n_new >= self.prefill_min_queries
+        if not long.any():
             kernels.paged_attention_kernel(qq, kv_cache, bt, sl, qsl, np.float32(scale),
                                            self.tile_q, self._threads(), out)
+            return out
+        _check_prefill_metadata(bt, sl, qsl, T, kv_cache.shape[0], kv_cache.shape[2])
+        for s in np.flatnonzero(long):
+            prefill_attention(qq, kv_cache, bt[s], int(sl[s]), int(qsl[s]), int(qsl[s + 1]),
+                              scale, out)
+        short = ~long & (n_new > 0)
+        if short.any():
+            self._decode_subset(qq, kv_cache, bt, sl, qsl, short, scale, out)
         return out
+
+    def _decode_subset(self, q: np.ndarray, kv_cache: np.ndarray, bt: np.ndarray,
+                       sl: np.ndarray, qsl: np.ndarray, subset: np.ndarray, scale: float,
+                       out: np.ndarray) -> None:
+        """The Numba kernel on the sequences of bool[S] ``subset`` alone:
+        their rows are gathered into a compact batch and the result scattered
+        back into ``out``."""
+        seqs = np.flatnonzero(subset)
+        rows = np.concatenate([np.arange(qsl[s], qsl[s + 1]) for s in seqs])
+        sub_qsl = np.zeros(len(seqs) + 1, np.int32)
+        np.cumsum(np.diff(qsl)[seqs], out=sub_qsl[1:])
+        sub_out = np.zeros((len(rows),) + q.shape[1:], _F32)
+        kernels.paged_attention_kernel(np.ascontiguousarray(q[rows]), kv_cache,
+                                       np.ascontiguousarray(bt[seqs]),
+                                       np.ascontiguousarray(sl[seqs]), sub_qsl,
+                                       np.float32(scale), self.tile_q, self._threads(), sub_out)
+        out[rows] = sub_out
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_dim: int) -> np.ndarray:

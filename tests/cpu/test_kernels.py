@@ -60,11 +60,17 @@ def build_paged_batch(rng, seqs, nh, nkv, hd, bs, pad_tokens=0, extra_cols=2):
     return q, cache, bt, seq_lens, qsl, dense
 
 
-def check_attention(seqs, nh, nkv, hd, bs, tile_q=16, seed=0, pad_tokens=0):
+#: Routes of CpuOps.paged_attention: every sequence through the Numba kernel,
+#: every sequence through the BLAS prefill path, and the default split.
+ROUTES = {"numba": 10**9, "blas": 1, "split": None}
+
+
+def check_attention(seqs, nh, nkv, hd, bs, tile_q=16, seed=0, pad_tokens=0, route="split"):
     rng = np.random.default_rng(seed)
     q, cache, bt, seq_lens, qsl, dense = build_paged_batch(rng, seqs, nh, nkv, hd, bs, pad_tokens)
     scale = hd ** -0.5
-    out = CpuOps(tile_q=tile_q).paged_attention(q, cache, bt, seq_lens, qsl, scale)
+    extra = {} if ROUTES[route] is None else {"prefill_min_queries": ROUTES[route]}
+    out = CpuOps(tile_q=tile_q, **extra).paged_attention(q, cache, bt, seq_lens, qsl, scale)
     assert out.shape == q.shape and out.dtype == np.float32
     for s, (k, v) in enumerate(dense):
         a, b = qsl[s], qsl[s + 1]
@@ -75,20 +81,25 @@ def check_attention(seqs, nh, nkv, hd, bs, tile_q=16, seed=0, pad_tokens=0):
         assert not out[qsl[-1]:].any()
 
 
+@pytest.mark.parametrize("route", sorted(ROUTES))
 @pytest.mark.parametrize("nh,nkv", [(9, 3), (8, 8), (4, 1)])
-def test_paged_attention_mixed_batch(nh, nkv):
+def test_paged_attention_mixed_batch(nh, nkv, route):
     # (cached, new): decode, prefill without / with earlier context, chunk
     # ends on and off block boundaries.
     seqs = [(40, 1), (0, 37), (16, 16), (5, 1), (0, 1), (31, 50), (15, 2)]
-    check_attention(seqs, nh, nkv, hd=64, bs=16)
+    check_attention(seqs, nh, nkv, hd=64, bs=16, route=route)
 
 
-def test_paged_attention_long_decode_and_prefill_tiles():
-    check_attention([(700, 1), (0, 300), (129, 70)], 9, 3, hd=64, bs=16, tile_q=16)
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_paged_attention_long_decode_and_prefill_tiles(route):
+    # 600 new tokens after 129 cached: several BLAS tiles of 256 queries
+    check_attention([(700, 1), (0, 300), (129, 600)], 9, 3, hd=64, bs=16, tile_q=16,
+                    route=route)
 
 
-def test_paged_attention_padding_tokens_are_zero():
-    check_attention([(3, 2), (0, 4)], 4, 2, hd=16, bs=4, pad_tokens=3)
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_paged_attention_padding_tokens_are_zero(route):
+    check_attention([(3, 2), (0, 4)], 4, 2, hd=16, bs=4, pad_tokens=3, route=route)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -99,33 +110,38 @@ def test_paged_attention_padding_tokens_are_zero():
     bs=st.sampled_from([1, 4, 16]),
     tile_q=st.sampled_from([1, 3, 16]),
     seed=st.integers(0, 2**31 - 1),
+    route=st.sampled_from(sorted(ROUTES)),
 )
-def test_paged_attention_random_batches(seqs, heads, hd, bs, tile_q, seed):
-    check_attention(seqs, heads[0], heads[1], hd, bs, tile_q=tile_q, seed=seed)
+def test_paged_attention_random_batches(seqs, heads, hd, bs, tile_q, seed, route):
+    check_attention(seqs, heads[0], heads[1], hd, bs, tile_q=tile_q, seed=seed, route=route)
 
 
-def test_paged_attention_rejects_bad_block_id():
+@pytest.mark.parametrize("route", ["numba", "blas"])
+def test_paged_attention_rejects_bad_block_id(route):
+    ops = CpuOps(prefill_min_queries=ROUTES[route])
     rng = np.random.default_rng(1)
     q, cache, bt, seq_lens, qsl, _ = build_paged_batch(rng, [(3, 2)], 4, 2, 8, 4)
     bt[0, 1] = cache.shape[0]
     with pytest.raises(ValueError, match="block id"):
-        OPS.paged_attention(q, cache, bt, seq_lens, qsl, 0.3)
+        ops.paged_attention(q, cache, bt, seq_lens, qsl, 0.3)
     bt[0, 1] = -1
     with pytest.raises(ValueError, match="block id"):
-        OPS.paged_attention(q, cache, bt, seq_lens, qsl, 0.3)
+        ops.paged_attention(q, cache, bt, seq_lens, qsl, 0.3)
 
 
-def test_paged_attention_rejects_bad_metadata():
+@pytest.mark.parametrize("route", ["numba", "blas"])
+def test_paged_attention_rejects_bad_metadata(route):
+    ops = CpuOps(prefill_min_queries=ROUTES[route])
     rng = np.random.default_rng(2)
     q, cache, bt, seq_lens, qsl, _ = build_paged_batch(rng, [(3, 2), (0, 3)], 4, 2, 8, 4)
+    with pytest.raises(ValueError, match="seq_lens"):
+        ops.paged_attention(q, cache, bt, np.array([1, 3], np.int32), qsl, 0.3)  # L < n_new
+    with pytest.raises(ValueError, match="query_start_loc"):
+        ops.paged_attention(q, cache, bt, seq_lens, np.array([0, 2, 9], np.int32), 0.3)  # > T
     with pytest.raises(ValueError):
-        OPS.paged_attention(q, cache, bt, np.array([1, 3], np.int32), qsl, 0.3)  # L < n_new
-    with pytest.raises(ValueError):
-        OPS.paged_attention(q, cache, bt, seq_lens, np.array([0, 2, 9], np.int32), 0.3)  # > T
-    with pytest.raises(ValueError):
-        OPS.paged_attention(q, cache, bt, seq_lens, qsl[:-1], 0.3)
-    with pytest.raises(ValueError):
-        OPS.paged_attention(q, cache, bt[:, :1], seq_lens, qsl, 0.3)  # table too narrow
+        ops.paged_attention(q, cache, bt, seq_lens, qsl[:-1], 0.3)
+    with pytest.raises(ValueError, match="too narrow"):
+        ops.paged_attention(q, cache, bt[:, :1], seq_lens, qsl, 0.3)  # table too narrow
 
 
 # --------------------------------------------------------------------------- #
