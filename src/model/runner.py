@@ -33,13 +33,15 @@ class ModelRunnerOutput:
     -> one entry per new token for requests that asked; ``prompt_logprobs``
     maps request id -> one entry per prompt token (None for the first), sent
     once, in the step that samples the request's first token (chunked prefill
-    gathers them over several steps); ``forward_seconds`` and
-    ``sample_seconds`` are wall-clock seconds of the two phases.
+    gathers them over several steps); ``prepare_seconds`` (request states and
+    batch building), ``forward_seconds`` and ``sample_seconds`` are
+    wall-clock seconds of the three phases.
     """
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[LogprobEntry | None]] = field(default_factory=dict)
+    prepare_seconds: float = 0.0
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
 
@@ -128,6 +130,7 @@ class ModelRunner:
         Raises whatever the backend raises; the worker turns that into a
         failed step for exactly the requests in it.
         """
+        t_start = time.perf_counter()
         self._update_states(scheduler_output)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput()
@@ -142,6 +145,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         self._gather_prompt_logprobs(prompt_rows, logits[num_sampled:])
         output = self._sample(batch, logits[:num_sampled])
+        output.prepare_seconds = t0 - t_start
         output.forward_seconds, output.sample_seconds = t1 - t0, time.perf_counter() - t1
         return output
 
