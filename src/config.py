@@ -95,6 +95,8 @@ class SchedulerConfig:
     ``max_num_batched_tokens`` is the per-step token budget (prefill chunks
     plus decodes), ``max_num_seqs`` the most sequences in one step, and
     ``max_model_len`` the longest prompt + output a request may reach.
+    ``max_step_seconds`` (``--max-step-ms``), when set, lowers each step's
+    budget so that a step takes about that long (``core.step_budget``).
     """
 
     max_num_batched_tokens: int = 2048
@@ -104,8 +106,11 @@ class SchedulerConfig:
     priority_aging_seconds: float | None = None
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
+    max_step_seconds: float | None = None
 
     def __post_init__(self) -> None:
+        if self.max_step_seconds is not None and not self.max_step_seconds > 0:
+            raise ValueError(f"max_step_seconds must be > 0, got {self.max_step_seconds}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

@@ -22,7 +22,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from kvserve.core.stats import RequestTimeline, StepStats
+from kvserve.core.stats import STEP_PHASES, RequestTimeline, StepStats
 
 # ``*_created`` series add nothing for these metrics (vLLM turns them off too).
 prometheus_client.disable_created_metrics()
@@ -38,6 +38,8 @@ REQUEST_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.
                            5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                            480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+STEP_PHASE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                      0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 #: Metric name (without prefix) -> Prometheus type; the issue's list.
 METRICS: dict[str, str] = {
@@ -62,6 +64,8 @@ METRICS: dict[str, str] = {
     "prefix_cache_queries": "counter",
     "prefix_cache_hits": "counter",
     "prefix_cache_divergences": "counter",
+    "step_phase_seconds": "histogram",
+    "engine_busy_seconds": "counter",
 }
 
 
@@ -188,6 +192,18 @@ class EngineMetrics:
             "Prefix-cache misses caused by a prompt that differs from a cached one "
             "(see the prefix_cache_divergence log event).")
 
+        self._phase = Histogram(
+            PREFIX + "step_phase_seconds",
+            "Histogram of the seconds of each phase of an engine step: schedule (the core "
+            "scheduler), prepare (request states and batch), forward (the model), sample, "
+            "emit (applying tokens and sending them to the detokenizer). kvserve-specific.",
+            ["model_name", "phase"], registry=self.registry, buckets=STEP_PHASE_BUCKETS)
+        self.phases = {phase: self._phase.labels(model_name, phase) for phase in STEP_PHASES}
+        self.busy = counter(
+            "engine_busy_seconds",
+            "Seconds the worker spent computing steps; its rate is the busy fraction "
+            "(rate(kvserve:engine_busy_seconds_total[1m]), 0..1). kvserve-specific.")
+
     # ------------------------------------------------------------ observers
 
     def observe_first_token(self, timeline: RequestTimeline) -> None:
@@ -225,6 +241,9 @@ class EngineMetrics:
 
     def observe_step(self, step: StepStats) -> None:
         self.iteration_tokens.observe(step.num_tokens)
+        self.busy.inc(step.seconds)
+        for phase, seconds in step.times.as_dict().items():
+            self.phases[phase].observe(seconds)
         if step.num_prefill_tokens:
             self.prompt_tokens.inc(step.num_prefill_tokens)
 

@@ -23,7 +23,8 @@ from typing import Any
 import structlog
 
 from kvserve.core.outputs import RequestUpdate, SchedulerOutput
-from kvserve.core.stats import IntervalStats, RequestTimeline, RequestTracker, StepStats
+from kvserve.core.stats import (IntervalStats, RequestTimeline, RequestTracker, StepStats,
+                                StepTimes)
 from kvserve.metrics import EngineMetrics
 
 
@@ -110,8 +111,12 @@ class StatsObserver:
                                             output.prefix_cache_hits, len(output.divergences))
             self.metrics.set_load(num_running, num_waiting, kv_usage)
 
-    def on_step(self, output: SchedulerOutput, start: float, end: float) -> StepStats:
-        """A step came back from the worker: ``step`` event (debug) and metrics."""
+    def on_step(self, output: SchedulerOutput, start: float, end: float,
+                times: StepTimes | None = None) -> StepStats:
+        """A step came back from the worker and its tokens were emitted:
+        ``step`` event (debug) and metrics. ``start``/``end``: the worker's
+        span (monotonic seconds); ``times``: its phases."""
+        times = times or StepTimes()
         step = StepStats(
             step_id=output.step_id, start=start, end=end, batch_size=len(output.scheduled),
             num_prefill_tokens=output.num_prefill_tokens,
@@ -119,7 +124,7 @@ class StatsObserver:
             num_preemptions=len(output.preemptions), kv_cache_usage=output.kv_cache_usage,
             num_running=output.num_running, num_waiting=output.num_waiting,
             prefix_cache_queries=output.prefix_cache_queries,
-            prefix_cache_hits=output.prefix_cache_hits)
+            prefix_cache_hits=output.prefix_cache_hits, times=times)
         self.interval.add_step(step)
         if self.metrics is not None:
             self.metrics.observe_step(step)
@@ -128,7 +133,8 @@ class StatsObserver:
                        decode_tokens=step.num_decode_tokens,
                        kv_cache_usage=round(step.kv_cache_usage, 4),
                        num_running=step.num_running, num_waiting=step.num_waiting,
-                       preemptions=step.num_preemptions, step_s=round(step.seconds, 6))
+                       preemptions=step.num_preemptions, step_s=round(step.seconds, 6),
+                       **{f"{phase}_s": round(sec, 6) for phase, sec in times.as_dict().items()})
         return step
 
     def set_load(self, num_running: int, num_waiting: int, kv_usage: float) -> None:

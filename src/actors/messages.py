@@ -17,9 +17,13 @@ All times are ``time.monotonic()`` seconds unless a field says otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvserve.core.outputs import SchedulerOutput
 from kvserve.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the runner pulls in NumPy and the model; types only
+    from kvserve.model.runner import ModelRunnerOutput
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,7 @@ class ExecuteStep:
     """Run one model step (scheduler -> worker)."""
 
     step_id: int
-    scheduler_output: Any  # kvserve.core.outputs.SchedulerOutput
+    scheduler_output: SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -184,8 +188,8 @@ class StepResult:
     """
 
     step_id: int
-    scheduler_output: Any
-    runner_output: Any | None
+    scheduler_output: SchedulerOutput
+    runner_output: ModelRunnerOutput | None
     start: float
     end: float
     error: str | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from kvserve.actors.base import Actor
 from kvserve.actors.messages import (
     AbortRequest,
@@ -13,6 +15,8 @@ from kvserve.actors.messages import (
 from kvserve.core.outputs import PrefixCacheDivergence, RequestUpdate, SchedulerOutput
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
+from kvserve.core.stats import StepTimes
+from kvserve.core.step_budget import StepBudget
 
 
 class SchedulerActor(Actor):
@@ -36,6 +40,9 @@ class SchedulerActor(Actor):
         self.worker: Actor | None = None
         self.detokenizer: Actor | None = None
         self._in_flight = False
+        self._schedule_seconds = 0.0  # of the step in flight
+        self.budget = StepBudget(scheduler.config.max_step_seconds,
+                                 scheduler.config.max_num_batched_tokens)
         self.total_preemptions = 0
         #: Timelines, lifecycle logs and metrics (``kvserve.stats_logger``); set by the engine.
         self.observer = None
@@ -103,7 +110,9 @@ class SchedulerActor(Actor):
     def _maybe_launch_step(self) -> None:
         if self._in_flight or not self.core.has_unfinished_requests():
             return
-        output = self.core.schedule()
+        t0 = time.perf_counter()
+        output = self.core.schedule(self.budget.tokens(self.core.num_running))
+        self._schedule_seconds = time.perf_counter() - t0
         if self.observer is not None:
             self.observer.on_schedule(output, self.core.num_running, self.core.num_waiting,
                                       self.core.kv_cache_manager.usage)
@@ -140,17 +149,28 @@ class SchedulerActor(Actor):
     def _on_step_result(self, result: StepResult) -> None:
         self._in_flight = False
         output: SchedulerOutput = result.scheduler_output
-        if self.observer is not None:
-            self.observer.on_step(output, result.start, result.end)
+        t0 = time.perf_counter()
+        runner_output = result.runner_output
         if result.error is not None:
             self._fail_step(output, result.error)
-            self._refresh_load()
-            return
-        runner_output = result.runner_output
-        updates = self.core.update_from_output(output, runner_output.sampled)
-        self._emit(updates, runner_output.logprobs,
-                   prompt_logprobs=getattr(runner_output, "prompt_logprobs", None))
+        else:
+            updates = self.core.update_from_output(output, runner_output.sampled)
+            self._emit(updates, runner_output.logprobs,
+                       prompt_logprobs=runner_output.prompt_logprobs)
+            self.budget.observe(output.num_batched_tokens, runner_output.forward_seconds)
+        if self.observer is not None:
+            self.observer.on_step(output, result.start, result.end,
+                                  self._step_times(runner_output, time.perf_counter() - t0))
         self._refresh_load()
+
+    def _step_times(self, runner_output, emit_seconds: float) -> StepTimes:
+        """The phases of the step just finished (the runner's are 0 if it failed)."""
+        if runner_output is None:
+            return StepTimes(schedule=self._schedule_seconds, emit=emit_seconds)
+        return StepTimes(schedule=self._schedule_seconds,
+                         prepare=runner_output.prepare_seconds,
+                         forward=runner_output.forward_seconds,
+                         sample=runner_output.sample_seconds, emit=emit_seconds)
 
     def _refresh_load(self) -> None:
         """Running/waiting/KV gauges as they are now (they must reach 0 when idle)."""

@@ -85,7 +85,7 @@ class Scheduler:
     @property
     def num_waiting_tokens(self) -> int:
         """Tokens the waiting requests still have to compute (prompt + output)."""
-        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return self.waiting.num_tokens
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
@@ -125,7 +125,7 @@ class Scheduler:
         running = {r.request_id for r in found if r.status is RequestStatus.RUNNING}
         if running:
             self.running = [r for r in self.running if r.request_id not in running]
-        self.waiting.remove(r.request_id for r in found if r.request_id not in running)
+        self.waiting.remove([r.request_id for r in found if r.request_id not in running])
         return [self._finish(r, status) for r in found]
 
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None,
@@ -140,13 +140,18 @@ class Scheduler:
 
     # -------------------------------------------------------------- schedule
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
         """Build the next step: running requests first (decodes before prefill
         chunks), then -- if nothing was preempted -- admit waiting requests
-        while budget, ``max_num_seqs`` and free blocks allow."""
+        while budget, ``max_num_seqs`` and free blocks allow.
+
+        ``token_budget`` (tokens) lowers this step's budget below
+        ``max_num_batched_tokens`` (the step-time target, ``StepBudget``).
+        """
         stats = self.kv_cache_manager.stats
         queries, hits = stats.queries, stats.hits
-        step = _Step(budget=self.config.max_num_batched_tokens)
+        budget = self.config.max_num_batched_tokens
+        step = _Step(budget=budget if token_budget is None else min(budget, token_budget))
         self._schedule_running(step)
         if not step.preemptions or self.config.policy == "priority":
             self._schedule_waiting(step)

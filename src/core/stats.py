@@ -157,6 +157,33 @@ def _r(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
 
 
+#: The phases of one engine step, in the order they happen.
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "emit")
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Wall-clock seconds of the phases of one step.
+
+    - ``schedule``: the core scheduler's ``schedule()`` (scheduler actor).
+    - ``prepare``: the runner's request-state update and batch building.
+    - ``forward``: the model's forward pass.
+    - ``sample``: sampling and logprobs.
+    - ``emit``: applying the sampled tokens (``update_from_output``) and
+      sending the token deltas to the detokenizer (scheduler actor).
+    """
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    emit: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """Phase name -> seconds, in ``STEP_PHASES`` order."""
+        return {phase: getattr(self, phase) for phase in STEP_PHASES}
+
+
 @dataclass(frozen=True)
 class StepStats:
     """One model step as the scheduler actor saw it.
@@ -179,6 +206,7 @@ class StepStats:
     num_waiting: int
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    times: StepTimes = field(default_factory=StepTimes)
 
     @property
     def seconds(self) -> float:
@@ -207,12 +235,16 @@ class IntervalStats:
     kv_usage_sum: float = 0.0
     kv_usage_max: float = 0.0
     max_waiting: int = 0
+    phase_seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
 
     def add_step(self, step: StepStats) -> None:
         """Account one finished step (prompt tokens = prefill tokens computed)."""
         self.prompt_tokens += step.num_prefill_tokens
         self.num_steps += 1
         self.busy_seconds += step.seconds
+        for phase, seconds in step.times.as_dict().items():
+            self.phase_seconds[phase] += seconds
         self.kv_usage_sum += step.kv_cache_usage
         self.kv_usage_max = max(self.kv_usage_max, step.kv_cache_usage)
         self.max_waiting = max(self.max_waiting, step.num_waiting)
@@ -249,7 +281,9 @@ class IntervalStats:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_steps=self.num_steps, busy_fraction=min(self.busy_seconds / elapsed, 1.0),
-            finished_requests=self.finished_requests)
+            finished_requests=self.finished_requests,
+            step_ms={phase: 1000 * seconds / max(self.num_steps, 1)
+                     for phase, seconds in self.phase_seconds.items()})
 
 
 @dataclass(frozen=True)
@@ -258,7 +292,8 @@ class EngineStatsSnapshot:
 
     Throughputs in tokens/s over the interval; ``kv_cache_usage`` now (0..1)
     with its step mean and max over the interval; ``busy_fraction`` is the
-    share of the interval the worker spent in forward passes.
+    share of the interval the worker spent computing steps; ``step_ms`` the
+    mean milliseconds per step of each phase (``STEP_PHASES``).
     """
 
     interval_s: float
@@ -278,6 +313,7 @@ class EngineStatsSnapshot:
     num_steps: int
     busy_fraction: float
     finished_requests: int
+    step_ms: dict[str, float] = field(default_factory=dict)
 
     def message(self) -> str:
         """The human-readable line."""
@@ -286,7 +322,15 @@ class EngineStatsSnapshot:
                 f"Running: {self.num_running} reqs, Waiting: {self.num_waiting} reqs, "
                 f"Preemptions: {self.preemptions}, "
                 f"KV cache usage: {self.kv_cache_usage * 100:.1f}%, "
-                f"Prefix cache hit rate: {self.prefix_cache_hit_rate * 100:.1f}%")
+                f"Prefix cache hit rate: {self.prefix_cache_hit_rate * 100:.1f}%, "
+                f"Busy: {self.busy_fraction * 100:.0f}%, Step: {self._step_text()}")
+
+    def _step_text(self) -> str:
+        """``"total 123.4 ms (schedule 1.0, prepare 0.5, ...)"``, or ``"-"``."""
+        if not self.num_steps or not self.step_ms:
+            return "-"
+        parts = ", ".join(f"{phase} {ms:.1f}" for phase, ms in self.step_ms.items())
+        return f"{sum(self.step_ms.values()):.1f} ms ({parts})"
 
     def log_fields(self) -> dict[str, Any]:
         """The fields of the ``engine_stats`` log event."""
@@ -305,6 +349,7 @@ class EngineStatsSnapshot:
             "prefix_cache_hits": self.prefix_cache_hits,
             "num_steps": self.num_steps, "busy_fraction": round(self.busy_fraction, 3),
             "finished_requests": self.finished_requests,
+            "step_ms": {phase: round(ms, 3) for phase, ms in self.step_ms.items()},
         }
 
 

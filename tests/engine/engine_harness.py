@@ -171,8 +171,8 @@ class EngineHandle:
         steps: list[SchedulerOutput] = []
         original = sched.schedule
 
-        def recording_schedule():
-            output = original()
+        def recording_schedule(*args, **kwargs):
+            output = original(*args, **kwargs)
             steps.append(output)
             return output
 

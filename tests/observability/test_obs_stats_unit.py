@@ -10,7 +10,7 @@ import pytest
 
 from kvserve.core.outputs import RequestUpdate, SchedulerOutput
 from kvserve.core.request import FinishReason
-from kvserve.core.stats import IntervalStats, RequestTimeline, StepStats
+from kvserve.core.stats import IntervalStats, RequestTimeline, StepStats, StepTimes
 from kvserve.diagnosis import Features, diagnose, features_from_scrapes, histogram_quantile
 from kvserve.log import configure_logging
 from kvserve.metrics import METRICS, EngineMetrics, exposed_series, parse_metrics_text
@@ -26,6 +26,9 @@ ISSUE_HISTOGRAMS = [
 ISSUE_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
 ISSUE_COUNTERS = ["prompt_tokens", "generation_tokens", "request_success", "num_preemptions",
                   "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_divergences"]
+#: Issue 11: the step's phases and the worker's busy time.
+STEP_HISTOGRAMS = ["step_phase_seconds"]
+STEP_COUNTERS = ["engine_busy_seconds"]
 
 
 def test_timeline_phases_add_up_by_construction():
@@ -69,6 +72,28 @@ def test_interval_snapshot_message():
                  "Running: 2 reqs", "Waiting: 3 reqs", "Preemptions: 1",
                  "KV cache usage: 50.0%", "Prefix cache hit rate: 25.0%"):
         assert text in message
+
+
+def test_step_phases_in_stats_line_and_metrics():
+    times = StepTimes(schedule=0.001, prepare=0.002, forward=0.100, sample=0.005, emit=0.003)
+    step = StepStats(0, 10.0, 10.107, 4, 0, 4, 0, 0.1, 4, 0, times=times)
+    stats = IntervalStats(start=10.0)
+    stats.add_step(step)
+    stats.add_step(StepStats(1, 10.2, 10.307, 4, 0, 4, 0, 0.1, 4, 0, times=times))
+    snap = stats.snapshot(11.0, num_running=4, num_waiting=0, kv_cache_usage=0.1,
+                          total_preemptions=0)
+    assert snap.busy_fraction == pytest.approx(0.214)
+    assert snap.step_ms == pytest.approx({"schedule": 1.0, "prepare": 2.0, "forward": 100.0,
+                                          "sample": 5.0, "emit": 3.0})
+    assert "Busy: 21%, Step: 111.0 ms (schedule 1.0, prepare 2.0, forward 100.0, sample 5.0, " \
+           "emit 3.0)" in snap.message()
+    assert snap.log_fields()["step_ms"]["forward"] == 100.0
+    metrics = EngineMetrics("m")
+    metrics.observe_step(step)
+    samples = parse_metrics_text(metrics.render().decode())
+    assert samples["kvserve:engine_busy_seconds_total"][0][1] == pytest.approx(0.107)
+    sums = {lab["phase"]: v for lab, v in samples["kvserve:step_phase_seconds_sum"]}
+    assert sums == pytest.approx(times.as_dict())
 
 
 def _output(step_id, first=(), running=1, waiting=0, prefill=0, decode=0, queries=0, hits=0):
@@ -126,12 +151,13 @@ def test_every_issue_metric_is_exposed_with_its_type_and_label():
     metrics = EngineMetrics("my-model", 512, 64)
     text = metrics.render().decode()
     samples = parse_metrics_text(text)
-    assert sorted(METRICS) == sorted(ISSUE_HISTOGRAMS + ISSUE_GAUGES + ISSUE_COUNTERS)
-    for name in ISSUE_HISTOGRAMS:
+    assert sorted(METRICS) == sorted(ISSUE_HISTOGRAMS + ISSUE_GAUGES + ISSUE_COUNTERS
+                                     + STEP_HISTOGRAMS + STEP_COUNTERS)
+    for name in ISSUE_HISTOGRAMS + STEP_HISTOGRAMS:
         assert f"# TYPE kvserve:{name} histogram" in text
     for name in ISSUE_GAUGES:
         assert f"# TYPE kvserve:{name} gauge" in text
-    for name in ISSUE_COUNTERS:
+    for name in ISSUE_COUNTERS + STEP_COUNTERS:
         assert (f"# TYPE kvserve:{name}_total counter" in text
                 or f"# TYPE kvserve:{name} counter" in text), name
     for name in METRICS:
