@@ -43,7 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-SAMPLER_TESTS = ("tests/model/test_sampler.py",)
+SAMPLER_TESTS = ("tests/model/test_sampler.py", "tests/model/test_sampler_batched.py")
 FORWARD_TESTS = ("tests/model/test_forward_reference.py",)
 KERNEL_TESTS = ("tests/cpu/test_kernels.py",) + FORWARD_TESTS
 
@@ -97,20 +97,19 @@ MUTANTS: tuple[Mutant, ...] = (
              "parent_hash = hash_block_tokens(None, block, keys)"),),
            ("tests/core/test_core_kv_cache_manager.py",) + FORWARD_TESTS,
            "a block's hash ignores its prefix (two prompts share a block after different prefixes)"),
-    Mutant("top_p_drops_crossing_token", "model/sampler.py",
-           (("keep = cumulative - weights[order] < p.top_p * cumulative[-1]",
-             "keep = cumulative < p.top_p * cumulative[-1]"),),
+    Mutant("top_p_drops_crossing_token", "model/sampling_kernels.py",
+           (("f.cut(active, f.cum - f.w < threshold)", "f.cut(active, f.cum < threshold)"),),
            SAMPLER_TESTS, "top-p drops the token whose probability crosses the threshold"),
-    Mutant("min_p_before_top_p", "model/sampler.py",
+    Mutant("min_p_before_top_p", "model/sampling_kernels.py",
            (("_FILTERS = (_top_k, _top_p, _min_p)", "_FILTERS = (_top_k, _min_p, _top_p)"),),
            SAMPLER_TESTS, "min-p applied before top-p (the documented order is HF's)"),
-    Mutant("penalty_sign", "model/sampler.py",
-           (("logits[ids] -= p.presence_penalty + p.frequency_penalty",
-             "logits[ids] += p.presence_penalty + p.frequency_penalty"),),
+    Mutant("penalty_sign", "model/sampling_kernels.py",
+           (("logits[rows, ids] -= presence + frequency * count",
+             "logits[rows, ids] += presence + frequency * count"),),
            SAMPLER_TESTS, "presence/frequency penalties raise seen tokens instead of lowering them"),
-    Mutant("repetition_penalty_direction", "model/sampler.py",
-           (("vals / p.repetition_penalty, vals * p.repetition_penalty",
-             "vals * p.repetition_penalty, vals / p.repetition_penalty"),),
+    Mutant("repetition_penalty_direction", "model/sampling_kernels.py",
+           (("xp.where(vals > 0, vals / pen, vals * pen)",
+             "xp.where(vals > 0, vals * pen, vals / pen)"),),
            SAMPLER_TESTS, "repetition penalty multiplies positive logits instead of dividing"),
     Mutant("gqa_head_mapping", "cpu/kernels.py",
            (("qbuf[qi * group + g, d] = q[t0 + qi, kvh * group + g, d] * scale",
@@ -189,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for m in MUTANTS:
-            print(f"{m.name:26s} src/{m.file:22s} {m.breaks}")
+            print(f"{m.name:28s} src/{m.file:26s} {m.breaks}")
         return 0
     unknown = set(args.only or ()) - {m.name for m in MUTANTS}
     if unknown:

@@ -209,7 +209,7 @@ class ModelRunner:
         tokens, entries = sample(logits, states, self.logprobs_mode)
         output = ModelRunnerOutput()
         for rid, state, token, entry in zip(batch.sample_ids, states, tokens, entries):
-            state.output_token_ids.append(token)
+            state.append(token)  # keeps the penalty counts current
             output.sampled[rid] = [token]
             if entry is not None:
                 output.logprobs[rid] = [entry]

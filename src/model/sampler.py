@@ -1,7 +1,11 @@
 """Token sampling from logits: greedy, temperature, top-k, top-p, min-p, penalties.
 
-Runs on the host in NumPy for every backend: a [R, vocab] float32 block is
-small next to the forward pass, and per-request options differ row by row.
+Runs on the host in NumPy for every backend, batched over the rows: a
+[R, vocab] float32 block is small next to the forward pass. This module turns
+the requests' options and histories into arrays; ``sampling_kernels`` holds
+the array code (written against an array module ``xp``, so a CUDA backend can
+run it on the device with CuPy; the only host-only parts are the per-request
+bookkeeping here and the generators' uniform draws).
 
 Order of operations: logit bias, min_tokens masking (EOS and
 ``stop_token_ids`` banned while fewer than ``min_tokens`` tokens were
@@ -16,17 +20,63 @@ sampler chain for these three. vLLM V1 applies min-p before top-k/top-p; we
 deliberately follow HF. The two differ: probabilities [.4, .3, .2, .1] with
 top_p .75 and min_p .3 keep {0, 1, 2} here (top-p keeps the three tokens
 reaching .75, min-p's threshold .12 keeps all three), {0, 1} in vLLM V1.
+
+Ties rank the lower token id first; the draw walks the kept tokens in
+ascending token-id order (``sampling_kernels`` gives the details). The
+per-row sampler this replaced walked top-p survivors by descending
+probability, so seeded top-k/top-p requests draw other (equally distributed)
+tokens than before; seeded temperature/min-p requests draw the same ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.model import sampling_kernels as kernels
 
 LogprobEntry = tuple[float, tuple[tuple[int, float], ...]]
+
+#: Rows per log-softmax block in ``prompt_logprobs`` (bounds float64 temporaries).
+_LOGPROB_BLOCK = 64
+
+
+class _TokenCounts:
+    """Distinct token ids and their counts, grown one token at a time.
+
+    ``ids``/``counts`` are int64 views into buffers that double when full,
+    so ``add`` is amortised O(1) and reading them copies nothing.
+    """
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        ids, counts = np.unique(np.asarray(tokens, dtype=np.int64), return_counts=True)
+        self._size = len(ids)
+        self._slot = dict(zip(ids.tolist(), range(self._size)))
+        self._ids = np.zeros(max(16, 2 * self._size), dtype=np.int64)
+        self._counts = np.zeros_like(self._ids)
+        self._ids[:self._size], self._counts[:self._size] = ids, counts
+
+    def add(self, token: int) -> None:
+        slot = self._slot.get(token)
+        if slot is None:
+            slot = self._slot[token] = self._size
+            self._size += 1
+            if slot == len(self._ids):
+                self._ids = np.concatenate([self._ids, np.zeros_like(self._ids)])
+                self._counts = np.concatenate([self._counts, np.zeros_like(self._counts)])
+            self._ids[slot] = token
+        self._counts[slot] += 1
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids[:self._size]
+
+    @property
+    def counts(self) -> np.ndarray:
+        return self._counts[:self._size]
 
 
 @dataclass
@@ -36,6 +86,12 @@ class SamplingState:
     ``generator`` gives one uniform draw per sampled token, so a seeded
     request's text does not depend on what else is in the batch; after a
     preemption the runner fast-forwards it by the tokens already generated.
+
+    Penalty counts (distinct prompt+output tokens, output token counts) are
+    built on first use and then kept up to date token by token: ``append``
+    records a sampled token; tokens appended to ``output_token_ids`` directly
+    are folded in on the next read. ``output_token_ids`` may only grow (a
+    shorter list is recounted from scratch); ``prompt_token_ids`` is fixed.
     """
 
     params: SamplingParams
@@ -47,6 +103,11 @@ class SamplingState:
     #: over several steps), starting with None for the first prompt token;
     #: None when the request did not ask or they were already delivered.
     prompt_logprobs: list[LogprobEntry | None] | None = None
+    _seen: _TokenCounts | None = field(default=None, init=False, repr=False, compare=False)
+    _output: _TokenCounts | None = field(default=None, init=False, repr=False, compare=False)
+    _counted: int = field(default=0, init=False, repr=False, compare=False)
+    _bias: tuple[int, np.ndarray, np.ndarray] | None = field(
+        default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def create(cls, params: SamplingParams, prompt: list[int], output: list[int],
@@ -64,30 +125,42 @@ class SamplingState:
             state.prompt_logprobs = [None]  # delivered with the first sampled token
         return state
 
+    def append(self, token: int) -> None:
+        """Record one sampled token (the output list and, once built, the counts)."""
+        self.output_token_ids.append(token)
+        if self._seen is not None:
+            self._catch_up()
 
-def apply_penalties(logits: np.ndarray, state: SamplingState) -> None:
-    """In place on one row float32[V]: logit bias, min_tokens, penalties.
+    def seen_token_ids(self) -> np.ndarray:
+        """int64[S]: distinct token ids of prompt and output (repetition penalty)."""
+        self._catch_up()
+        assert self._seen is not None
+        return self._seen.ids
 
-    Repetition penalty as in CTRL (Keskar et al. 2019) / HF: divide positive
-    logits of seen tokens (prompt and output), multiply negative ones.
-    Presence and frequency penalties as the OpenAI API reference defines:
-    ``logit -= presence * (count > 0) + frequency * count`` over output tokens.
-    """
-    p = state.params
-    vocab = logits.shape[0]
-    for token_id, bias in p.logit_bias:
-        if 0 <= token_id < vocab:  # the API refuses others; never index out of range
-            logits[token_id] += bias
-    if len(state.output_token_ids) < p.min_tokens:
-        banned = [t for t in (*state.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
-        logits[banned] = -np.inf
-    if p.repetition_penalty != 1.0:
-        seen = np.unique(np.asarray(state.prompt_token_ids + state.output_token_ids, dtype=np.int64))
-        vals = logits[seen]
-        logits[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and state.output_token_ids:
-        ids, counts = np.unique(np.asarray(state.output_token_ids, dtype=np.int64), return_counts=True)
-        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.astype(np.float32)
+    def output_token_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(distinct output token ids int64[C], their counts int64[C])."""
+        self._catch_up()
+        assert self._output is not None
+        return self._output.ids, self._output.counts
+
+    def _catch_up(self) -> None:
+        out = self.output_token_ids
+        if self._seen is None or self._output is None or len(out) < self._counted:
+            self._seen = _TokenCounts(self.prompt_token_ids + out)
+            self._output = _TokenCounts(out)
+        else:
+            for token in out[self._counted:]:
+                self._seen.add(token)
+                self._output.add(token)
+        self._counted = len(out)
+
+    def bias_arrays(self, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids int64[B], biases float32[B]) of ``logit_bias`` inside the vocabulary."""
+        if self._bias is None or self._bias[0] != vocab:
+            pairs = [(t, b) for t, b in self.params.logit_bias if 0 <= t < vocab]
+            self._bias = (vocab, np.array([t for t, _ in pairs], dtype=np.int64),
+                          np.array([b for _, b in pairs], dtype=np.float32))
+        return self._bias[1], self._bias[2]
 
 
 def _needs_processing(p: SamplingParams) -> bool:
@@ -96,61 +169,98 @@ def _needs_processing(p: SamplingParams) -> bool:
                 or p.presence_penalty or p.frequency_penalty)
 
 
-Filtered = tuple[np.ndarray, np.ndarray]
+class _Pairs:
+    """(row, token id, values...) gathered row by row, flattened once for
+    ``sampling_kernels.apply_penalties``."""
+
+    def __init__(self, n_values: int) -> None:
+        self.rows: list[int] = []
+        self.ids: list[np.ndarray] = []
+        self.values: list[list[np.ndarray]] = [[] for _ in range(n_values)]
+
+    def add(self, row: int, ids: np.ndarray, *values: np.ndarray | float) -> None:
+        """``values``: arrays shaped like ``ids``, or one number for the row."""
+        self.rows.append(row)
+        self.ids.append(ids)
+        for column, value in zip(self.values, values):
+            column.append(np.broadcast_to(np.float32(value), ids.shape)
+                          if np.isscalar(value) else value)
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """(rows int64[N], token ids int64[N], each value column float32[N])."""
+        rows = np.repeat(np.asarray(self.rows, dtype=np.int64), [a.size for a in self.ids])
+        ids = np.concatenate(self.ids) if self.ids else np.zeros(0, dtype=np.int64)
+        return rows, ids, *(np.concatenate(c).astype(np.float32) if c
+                            else np.zeros(0, dtype=np.float32) for c in self.values)
 
 
-def _top_k(weights: np.ndarray, candidates: np.ndarray, p: SamplingParams) -> Filtered:
-    """Keep the ``top_k`` largest weights (0 or -1, or k >= count: all)."""
-    if not 0 < p.top_k < weights.shape[0]:
-        return weights, candidates
-    keep = np.argpartition(-weights, p.top_k - 1)[: p.top_k]
-    return weights[keep], candidates[keep]
+def _penalize(logits: np.ndarray, states: Sequence[SamplingState]) -> None:
+    """Logit bias, min_tokens, repetition and presence/frequency penalties in
+    place on float32[R, V] ``logits`` (row r: ``states[r]``), all rows at once.
+
+    Repetition penalty as in CTRL (Keskar et al. 2019) / HF over prompt and
+    output tokens; presence and frequency penalties as the OpenAI API
+    reference defines them, over output tokens (see ``sampling_kernels``).
+    """
+    vocab = logits.shape[1]
+    bias, banned, seen, counts = _Pairs(1), _Pairs(0), _Pairs(1), _Pairs(3)
+    for r, state in enumerate(states):
+        p = state.params
+        if not _needs_processing(p):
+            continue
+        if p.logit_bias:
+            bias.add(r, *state.bias_arrays(vocab))
+        if len(state.output_token_ids) < p.min_tokens:
+            banned.add(r, np.array([t for t in (*state.eos_token_ids, *p.stop_token_ids)
+                                    if 0 <= t < vocab], dtype=np.int64))
+        if p.repetition_penalty != 1.0:
+            seen.add(r, state.seen_token_ids(), p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and state.output_token_ids:
+            ids, n = state.output_token_counts()
+            counts.add(r, ids, n, p.presence_penalty, p.frequency_penalty)
+    if bias.rows or banned.rows or seen.rows or counts.rows:
+        kernels.apply_penalties(logits, bias.arrays(), banned.arrays(), seen.arrays(),
+                                counts.arrays())
 
 
-def _top_p(weights: np.ndarray, candidates: np.ndarray, p: SamplingParams) -> Filtered:
-    """Keep the smallest most-likely set whose mass reaches ``top_p``
-    (Holtzman et al. 2019): a token stays when the mass strictly before it,
-    in descending order, is below ``top_p``, so the token crossing the
-    threshold is kept. Returns the kept tokens in descending order."""
-    if p.top_p >= 1.0:
-        return weights, candidates
-    order = np.argsort(-weights, kind="stable")
-    cumulative = np.cumsum(weights[order])
-    keep = cumulative - weights[order] < p.top_p * cumulative[-1]
-    order = order[keep]
-    return weights[order], candidates[order]
+def apply_penalties(logits: np.ndarray, state: SamplingState) -> None:
+    """In place on one row float32[V]: logit bias, min_tokens, penalties
+    (``_penalize`` on a one-row view)."""
+    _penalize(logits[None, :], [state])
 
 
-def _min_p(weights: np.ndarray, candidates: np.ndarray, p: SamplingParams) -> Filtered:
-    """Drop tokens below ``min_p`` x the largest probability (Nguyen et al. 2024)."""
-    if p.min_p <= 0.0:
-        return weights, candidates
-    keep = weights >= p.min_p * weights.max()
-    return weights[keep], candidates[keep]
-
-
-#: Warpers applied after temperature, in order (Hugging Face's order).
-_FILTERS = (_top_k, _top_p, _min_p)
+def _warpers(params: Sequence[SamplingParams], vocab: int) -> kernels.Warpers:
+    """The warper settings of random rows as arrays (top_k -1 or >= V: 0, off)."""
+    return kernels.Warpers(np.array([p.temperature for p in params], dtype=np.float64),
+                           np.array([p.top_k if 0 < p.top_k < vocab else 0 for p in params],
+                                    dtype=np.int64),
+                           np.array([p.top_p for p in params], dtype=np.float64),
+                           np.array([p.min_p for p in params], dtype=np.float64))
 
 
 def sample_row(logits: np.ndarray, state: SamplingState) -> int:
-    """Draw one token id from processed float32[V] logits (random sampling).
+    """Draw one token id from processed float32[V] logits (random sampling),
+    with exactly one uniform draw from ``state.generator``."""
+    u = np.array([state.generator.random()])
+    warpers = _warpers([state.params], logits.shape[0])
+    return int(kernels.sample_random(logits[None, :], warpers, u)[0])
 
-    Scales by the temperature in float64, turns the row into unnormalised
-    probabilities float64[V], runs ``_FILTERS`` (top-k -> top-p -> min-p;
-    each sees the mass left by the previous one), then inverse-CDF samples
-    with exactly one uniform draw from ``state.generator``.
-    """
-    p = state.params
-    scaled = logits.astype(np.float64) / p.temperature
-    weights = np.exp(scaled - scaled.max())
-    candidates = np.arange(weights.shape[0])
-    for step in _FILTERS:
-        weights, candidates = step(weights, candidates, p)
-    cdf = np.cumsum(weights)
-    u = state.generator.random() * cdf[-1]
-    index = min(int(np.searchsorted(cdf, u, side="right")), len(cdf) - 1)
-    return int(candidates[index])
+
+def _entries(values: np.ndarray, token_ids: Sequence[int], ks: Sequence[int]
+             ) -> list[LogprobEntry]:
+    """Logprob entries of float64[R, V] ``values``: row r's value of
+    ``token_ids[r]`` and its ``ks[r]`` largest (descending, ties by lower id)."""
+    chosen = values[np.arange(len(token_ids)), np.asarray(token_ids, dtype=np.int64)].tolist()
+    kmax = min(max(ks, default=0), values.shape[1])
+    if kmax <= 0:
+        return [(lp, ()) for lp in chosen]
+    ids, vals = (a.tolist() for a in kernels.top_values(values, kmax))
+    return [(lp, tuple(zip(i[:k], v[:k]))) for lp, i, v, k in zip(chosen, ids, vals, ks)]
+
+
+def _values(rows: np.ndarray, mode: str) -> np.ndarray:
+    """float64[R, V]: the logits themselves in ``raw_logits`` mode, else log-softmax."""
+    return rows.astype(np.float64) if mode == "raw_logits" else kernels.log_softmax(rows)
 
 
 def top_logprobs(row: np.ndarray, token_id: int, k: int, mode: str) -> LogprobEntry:
@@ -159,17 +269,7 @@ def top_logprobs(row: np.ndarray, token_id: int, k: int, mode: str) -> LogprobEn
     ``mode`` ``raw_logits`` returns logits instead of log-probabilities
     (vLLM's ``--logprobs-mode``); otherwise log-softmax in float64.
     """
-    if mode == "raw_logits":
-        values = row.astype(np.float64)
-    else:
-        shifted = row.astype(np.float64) - row.max()
-        values = shifted - np.log(np.exp(shifted).sum())
-    top: tuple[tuple[int, float], ...] = ()
-    if k > 0:
-        ids = np.argpartition(-values, k - 1)[:k]
-        ids = ids[np.argsort(-values[ids], kind="stable")]
-        top = tuple((int(i), float(values[i])) for i in ids)
-    return float(values[token_id]), top
+    return _entries(_values(row[None, :], mode), [token_id], [k])[0]
 
 
 def prompt_logprobs(logits: np.ndarray, target_ids: np.ndarray, k: int, temperature: float,
@@ -185,8 +285,13 @@ def prompt_logprobs(logits: np.ndarray, target_ids: np.ndarray, k: int, temperat
     the raw logits themselves in ``raw_logits`` mode.
     """
     scale = 1.0 if mode.startswith("raw") or not temperature else 1.0 / temperature
-    return [top_logprobs(row * scale if scale != 1.0 else row, int(target), k, mode)
-            for row, target in zip(logits, target_ids)]
+    out: list[LogprobEntry] = []
+    for start in range(0, len(logits), _LOGPROB_BLOCK):
+        block = logits[start:start + _LOGPROB_BLOCK]
+        block = block * scale if scale != 1.0 else block
+        targets = [int(t) for t in target_ids[start:start + _LOGPROB_BLOCK]]
+        out.extend(_entries(_values(block, mode), targets, [k] * len(targets)))
+    return out
 
 
 def sample(logits: np.ndarray, states: list[SamplingState],
@@ -202,20 +307,29 @@ def sample(logits: np.ndarray, states: list[SamplingState],
     Returns:
         (token ids, logprob entries; None where the request did not ask).
     """
-    raw = logits.copy() if logprobs_mode.startswith("raw") and any(
-        s.params.logprobs is not None for s in states) else None
-    for r, state in enumerate(states):
-        if _needs_processing(state.params):
-            apply_penalties(logits[r], state)
-    greedy_ids = logits.argmax(axis=1)
-    tokens, entries = [], []
-    for r, state in enumerate(states):
-        p = state.params
-        token = int(greedy_ids[r]) if p.temperature == 0.0 else sample_row(logits[r], state)
-        tokens.append(token)
-        if p.logprobs is None:
-            entries.append(None)
-            continue
-        row = raw[r] if raw is not None else logits[r] / (p.temperature or 1.0)
-        entries.append(top_logprobs(row, token, p.logprobs, logprobs_mode))
-    return tokens, entries
+    params = [s.params for s in states]
+    asked = [r for r, p in enumerate(params) if p.logprobs is not None]
+    raw = logits[asked] if asked and logprobs_mode.startswith("raw") else None  # a copy
+    _penalize(logits, states)
+    temperature = np.array([p.temperature for p in params], dtype=np.float64)
+    tokens = np.zeros(len(states), dtype=np.int64)
+    greedy = np.flatnonzero(temperature == 0.0)
+    if greedy.size:
+        tokens[greedy] = logits.argmax(axis=1)[greedy]
+    rand = np.flatnonzero(temperature != 0.0)
+    if rand.size:
+        u = np.array([states[r].generator.random() for r in rand])
+        warpers = _warpers([params[r] for r in rand], logits.shape[1])
+        x = logits if rand.size == len(states) else logits[rand]
+        tokens[rand] = kernels.sample_random(x, warpers, u)
+    token_list = tokens.tolist()
+    entries: list[LogprobEntry | None] = [None] * len(states)
+    if asked:
+        if raw is None:
+            scale = np.array([params[r].temperature or 1.0 for r in asked], dtype=np.float32)
+            raw = logits[asked] / scale[:, None]
+        got = _entries(_values(raw, logprobs_mode), [token_list[r] for r in asked],
+                       [params[r].logprobs or 0 for r in asked])
+        for r, entry in zip(asked, got):
+            entries[r] = entry
+    return token_list, entries
