@@ -395,8 +395,13 @@ class KVCacheManager:
         return self.pool.usage
 
     def _uses_prefix_cache(self, request: Request) -> bool:
-        # prompt_logprobs needs the logits of every prompt token: no hits.
-        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+        """Whether the request may take prefix-cache hits. A request asking for
+        prompt logprobs needs the logits of every prompt position, so it takes
+        none until they were delivered (with its first token): resumed after
+        a preemption, it scores nothing and hits like any other. Its blocks
+        are registered for others in every case."""
+        return self.enable_prefix_caching and (
+            request.sampling_params.prompt_logprobs is None or request.num_output_tokens > 0)
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to cover every full block of its
@@ -415,8 +420,9 @@ class KVCacheManager:
 
         The last known token is never a hit (its logits are needed), so at
         most ``(num_tokens - 1) // block_size`` blocks are returned. Returns
-        ``([], 0)`` when prefix caching is off or the request asks for prompt
-        logprobs. Read-only: the blocks are claimed by ``allocate_slots``.
+        ``([], 0)`` when prefix caching is off or the request still has to
+        score its prompt (prompt logprobs, see ``_uses_prefix_cache``).
+        Read-only: the blocks are claimed by ``allocate_slots``.
         """
         if not self._uses_prefix_cache(request):
             return [], 0

@@ -107,7 +107,24 @@ class LlamaModel:
 
     def forward(self, input_ids: Any, positions: Any, attn: AttentionMetadata,
                 kv_caches: list[Any], logits_indices: Any) -> Any:
-        """Run all layers and return logits of the sampling positions.
+        """Run all layers and return logits of the sampling positions:
+        ``compute_logits(hidden_states(...))`` (same arguments as
+        ``hidden_states``). Returns float32[R, vocab_size]."""
+        return self.compute_logits(
+            self.hidden_states(input_ids, positions, attn, kv_caches, logits_indices))
+
+    def compute_logits(self, hidden: Any) -> Any:
+        """LM head: [R, H] final hidden states -> float32[R, vocab_size] logits.
+
+        Separate from the layers (vLLM's ``compute_logits``) so that a caller
+        needing many rows (prompt logprobs) can bound the [rows, vocab] block
+        by calling it on slices.
+        """
+        return self.ops.linear(hidden, self.lm_head)
+
+    def hidden_states(self, input_ids: Any, positions: Any, attn: AttentionMetadata,
+                      kv_caches: list[Any], logits_indices: Any) -> Any:
+        """Run all layers; the final-normed hidden states of the sampling positions.
 
         Args:
             input_ids: int64[T] token ids of the flat batch.
@@ -119,7 +136,7 @@ class LlamaModel:
                 or decodes). The LM head runs on these rows only.
 
         Returns:
-            float32[R, vocab_size] logits.
+            [R, H] hidden states after the final norm (the LM head's input).
         """
         ops, cfg = self.ops, self.config
         hidden = ops.embedding(input_ids, self.embed_tokens)
@@ -134,7 +151,7 @@ class LlamaModel:
         # Only the sampled rows need the final norm and the LM head.
         x, residual = x[logits_indices], residual[logits_indices]
         ops.fused_add_rms_norm(x, residual, self.final_norm, cfg.rms_norm_eps)
-        return ops.linear(x, self.lm_head)
+        return x
 
     def _attention(self, layer: LayerWeights, x: Any, positions: Any,
                    attn: AttentionMetadata, kv_cache: Any) -> Any:

@@ -24,6 +24,10 @@ from kvserve.model.ops import Ops
 from kvserve.model.sampler import LogprobEntry, SamplingState, prompt_logprobs, sample
 
 
+#: Prompt-logprob rows scored per LM-head call (bounds the [rows, vocab] block).
+PROMPT_LOGITS_ROWS = 256
+
+
 @dataclass
 class ModelRunnerOutput:
     """Sampled tokens of one step.
@@ -141,10 +145,11 @@ class ModelRunner:
             extra = np.concatenate([rows for _, rows, _ in prompt_rows])
             batch = replace(batch, logits_indices=np.concatenate([batch.logits_indices, extra]))
         t0 = time.perf_counter()
-        logits = self._forward(batch)
+        hidden = self._forward(batch)
+        logits = self._logits(hidden[:num_sampled])
         t1 = time.perf_counter()
-        self._gather_prompt_logprobs(prompt_rows, logits[num_sampled:])
-        output = self._sample(batch, logits[:num_sampled])
+        self._gather_prompt_logprobs(prompt_rows, hidden[num_sampled:])
+        output = self._sample(batch, logits)
         output.prepare_seconds = t0 - t_start
         output.forward_seconds, output.sample_seconds = t1 - t0, time.perf_counter() - t1
         return output
@@ -174,17 +179,27 @@ class ModelRunner:
         return out
 
     def _gather_prompt_logprobs(self, prompt_rows: list[tuple[str, np.ndarray, np.ndarray]],
-                                logits: np.ndarray) -> None:
+                                hidden) -> None:
+        """Score the prompt rows from their hidden states (backend [P, H]),
+        ``PROMPT_LOGITS_ROWS`` rows at a time, so the [rows, vocab] logits block
+        stays bounded (about 50 MB for a 49,152-token vocabulary) however long
+        the chunk."""
         offset = 0
         for request_id, rows, targets in prompt_rows:
             state = self.states[request_id]
             params = state.params
-            block = logits[offset:offset + len(rows)]
-            offset += len(rows)
             assert state.prompt_logprobs is not None
-            state.prompt_logprobs.extend(prompt_logprobs(
-                block, targets, params.prompt_logprobs or 0, params.temperature,
-                self.logprobs_mode))
+            for start in range(0, len(rows), PROMPT_LOGITS_ROWS):
+                stop = min(start + PROMPT_LOGITS_ROWS, len(rows))
+                block = self._logits(hidden[offset + start:offset + stop])
+                state.prompt_logprobs.extend(prompt_logprobs(
+                    block, targets[start:stop], params.prompt_logprobs or 0,
+                    params.temperature, self.logprobs_mode))
+            offset += len(rows)
+
+    def _logits(self, hidden) -> np.ndarray:
+        """float32[R, V] host logits of backend hidden states [R, H]."""
+        return np.asarray(self.ops.to_numpy(self.model.compute_logits(hidden)), dtype=np.float32)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
@@ -194,15 +209,15 @@ class ModelRunner:
                 new.sampling_params, list(new.prompt_token_ids), list(new.output_token_ids),
                 self.config.eos_token_ids, self._generator)
 
-    def _forward(self, batch: BatchInputs) -> np.ndarray:
+    def _forward(self, batch: BatchInputs):
+        """Backend hidden states [R, H] of the batch's logits rows."""
         to = self.ops.to_device
         attn = AttentionMetadata(slot_mapping=to(batch.slot_mapping),
                                  block_tables=to(batch.block_tables),
                                  seq_lens=to(batch.seq_lens),
                                  query_start_loc=to(batch.query_start_loc))
-        logits = self.model.forward(to(batch.input_ids), to(batch.positions), attn,
-                                    self.kv_caches, to(batch.logits_indices))
-        return np.asarray(self.ops.to_numpy(logits), dtype=np.float32)
+        return self.model.hidden_states(to(batch.input_ids), to(batch.positions), attn,
+                                        self.kv_caches, to(batch.logits_indices))
 
     def _sample(self, batch: BatchInputs, logits: np.ndarray) -> ModelRunnerOutput:
         states = [self.states[rid] for rid in batch.sample_ids]

@@ -270,3 +270,19 @@ def test_hits_only_on_first_allocation():
     manager.allocate_slots(b, 1, hits)
     with pytest.raises(ValueError):
         manager.allocate_slots(b, 1, hits)
+
+
+def test_prompt_logprobs_request_hits_only_after_scoring_its_prompt():
+    """It needs every prompt position's logits, so no hits before its first
+    token; resumed after a preemption (prompt scored), it hits; its blocks
+    serve others either way."""
+    manager = KVCacheManager(16, BS)
+    scorer = make_req("s", [1, 2, 3, 4, 5, 6, 7, 8, 9], prompt_logprobs=2)
+    run_prefill(manager, make_req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert manager.get_computed_blocks(scorer) == ([], 0)
+    run_prefill(manager, scorer)
+    assert manager.get_computed_blocks(make_req("b", [1, 2, 3, 4, 5, 6, 7, 8, 0]))[1] == 8
+    manager.free(scorer)
+    scorer.append_output_token_ids(42)  # its first token: prompt logprobs delivered
+    scorer.num_computed_tokens = 0
+    assert manager.get_computed_blocks(scorer)[1] == 8

@@ -241,3 +241,30 @@ def test_runner_after_preemption_by_recompute(tiny, ops):
     assert sum(r.num_preemptions for r in requests) > 0
     for request in requests:
         check_against_reference(weights, config, request, entries[request.request_id])
+
+
+def test_runner_prompt_logprobs_in_bounded_blocks(tiny, ops, monkeypatch):
+    """Prompt logprobs (raw logits mode) of a chunked prompt, scored 8 rows per
+    LM-head call, equal the reference logits of every prompt position."""
+    import kvserve.model.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "PROMPT_LOGITS_ROWS", 8)
+    spec, config, weights = tiny
+    runner, scheduler = make_runner(config, weights, ops, num_blocks=64, block_size=4, budget=16)
+    rng = np.random.default_rng(400 + spec.seed)
+    prompt = rng.integers(0, config.vocab_size, 45).tolist()
+    request = Request("echo", prompt, SamplingParams(temperature=0.0, max_tokens=1,
+                                                     ignore_eos=True, prompt_logprobs=3))
+    scheduler.add_request(request)
+    entries = None
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        result = runner.execute(output)
+        entries = result.prompt_logprobs.get("echo", entries)
+        scheduler.update_from_output(output, result.sampled)
+    ref = reference(weights, config, prompt).astype(np.float64)
+    assert entries[0] is None and len(entries) == len(prompt)
+    for j, (value, top) in enumerate(entries[1:]):  # position j scores token j + 1
+        scale = np.abs(ref[j]).max()
+        assert abs(value - ref[j, prompt[j + 1]]) <= REL_TOL * scale, j
+        assert [t for t, _ in top] == list(np.argsort(-ref[j], kind="stable")[:3]), j

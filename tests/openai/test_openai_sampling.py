@@ -60,8 +60,22 @@ def test_greedy_top_logprobs_top1_and_streamed_equal(http) -> None:
         assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
     streamed = _chat_logprobs_stream(http, body)
     assert len(streamed) == len(content)
+    # The second request hits the prefix cache: its last prompt tokens go
+    # through the Numba attention kernel, the first request's whole prompt
+    # through the BLAS prefill tiles, and the two round differently (~1e-7).
+    # Tokens, bytes and order must be equal; logprobs within 1e-3 (the golden
+    # tolerance on logits: the difference grows over the decode steps).
     for i, (a, b) in enumerate(zip(streamed, content)):
-        assert a == b, f"position {i}: streamed {a} != non-streamed {b}"
+        assert _tokens_of(a) == _tokens_of(b), f"position {i}: streamed {a} != non-streamed {b}"
+        assert _logprobs_of(a) == pytest.approx(_logprobs_of(b), abs=1e-3), f"position {i}"
+
+
+def _tokens_of(entry: dict) -> list:
+    return [(e["token"], e["bytes"]) for e in [entry, *entry["top_logprobs"]]]
+
+
+def _logprobs_of(entry: dict) -> list[float]:
+    return [e["logprob"] for e in [entry, *entry["top_logprobs"]]]
 
 
 def _stream_texts(http, body: dict) -> list[str]:
