@@ -57,6 +57,7 @@ class _Sample:
     index: int
     detokenizer: IncrementalDetokenizer
     offsets: TokenOffsets
+    hidden: frozenset[int]  # ids the text leaves out (skipped special tokens)
     num_output_tokens: int = 0
     num_emitted_chars: int = 0
     pending_ids: list[int] = field(default_factory=list)
@@ -103,12 +104,18 @@ class DetokenizerActor(Actor):
         def decode(ids):
             return self.tokenizer.decode(ids, skip_special_tokens=skip)
 
+        hidden = self._special_ids if skip else frozenset()
         detok = IncrementalDetokenizer(decode, params.stop, params.include_stop_str_in_output)
-        offsets = TokenOffsets(self._token_bytes, self._special_ids if skip else frozenset())
         self._samples[request.request_id] = _Sample(request.parent_id, request.index, detok,
-                                                    offsets)
+                                                    TokenOffsets(self._token_bytes, hidden), hidden)
 
     def _on_delta(self, delta: TokenDelta) -> None:
+        """Fold one step's tokens of a sample in; O(new tokens) per call.
+
+        Hidden (skipped special) tokens never reach the ``IncrementalDetokenizer``:
+        they decode to nothing, and a run of them would otherwise keep its
+        decode window from advancing (O(run length) per step).
+        """
         sample = self._samples.get(delta.request_id)
         if sample is None:
             return  # already finished by a stop string
@@ -118,7 +125,8 @@ class DetokenizerActor(Actor):
         sample.pending_ids.extend(delta.new_token_ids)
         sample.pending_offsets.extend(sample.offsets.add(t) for t in delta.new_token_ids)
         sample.pending_logprobs.extend(delta.logprobs or ())
-        text = sample.detokenizer.update(delta.new_token_ids, finished=delta.finish_reason is not None)
+        visible = [t for t in delta.new_token_ids if t not in sample.hidden]
+        text = sample.detokenizer.update(visible, finished=delta.finish_reason is not None)
         finish_reason = delta.finish_reason
         if text.stopped and finish_reason is None:
             finish_reason = "stop"

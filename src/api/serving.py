@@ -9,6 +9,7 @@ Whenever the request ends before its stream finished (client gone, error),
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -55,6 +56,13 @@ ModelT = TypeVar("ModelT", ChatCompletionRequest, CompletionRequest)
 #: Status answered (to nobody) when the client left before the response.
 CLIENT_CLOSED = 499
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+#: A chunk or response that lists logprobs for more tokens than this (echoed
+#: prompt plus output) is rendered and JSON-encoded on a worker thread, off
+#: the event loop: it costs ~5 us a token (token texts, dicts, JSON), so a
+#: 9,000-token ``echo`` with logprobs would block the loop for ~60 ms.
+OFFLOAD_MIN_LOGPROB_TOKENS = 256
+#: Lists longer than this are JSON-encoded in slices (see ``json_in_pieces``).
+JSON_PIECE_ITEMS = 256
 
 
 # --------------------------------------------------------------------------- input
@@ -194,8 +202,15 @@ def token_text_for(engine: EngineClient) -> TokenText:
         return token_text
     tokenizer = getattr(engine, "tokenizer", None)
     if tokenizer is not None:
-        return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+        return functools.partial(_decoded_token_text, tokenizer)
     return lambda token_id: f"token_id:{token_id}"
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _decoded_token_text(tokenizer, token_id: int) -> str:
+    """``tokenizer.decode([token_id])`` with special tokens kept, cached:
+    logprobs name the same tokens again and again (~0.1 us a hit, ~2 us a decode)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 # --------------------------------------------------------------------------- disconnects
@@ -287,10 +302,37 @@ async def _aclose(iterator: AsyncIterator[bytes]) -> None:
         await aclose()
 
 
-def sse(data: dict[str, Any] | str) -> bytes:
-    """One server-sent event: ``data: <json>\\n\\n``."""
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+def sse(data: dict[str, Any] | str, large: bool = False) -> bytes:
+    """One server-sent event: ``data: <json>\\n\\n`` (a ``large`` one encoded
+    with ``json_in_pieces``: same text)."""
+    if isinstance(data, str):
+        text = data
+    else:
+        text = json_in_pieces(data) if large else json.dumps(data, separators=(",", ":"))
     return f"data: {text}\n\n".encode()
+
+
+def json_in_pieces(value: Any, ensure_ascii: bool = True, allow_nan: bool = True) -> str:
+    """``json.dumps(value, separators=(",", ":"), ...)``: the same text, built
+    from slices of at most ``JSON_PIECE_ITEMS`` items of every longer list.
+
+    One C ``json.dumps`` call holds the GIL throughout (~2 us a logprobs
+    entry), so a worker thread encoding a large body in one call would stall
+    the event loop all that time; between slices it hands the GIL back.
+    """
+    def dumps(part: Any) -> str:
+        return json.dumps(part, separators=(",", ":"), ensure_ascii=ensure_ascii,
+                          allow_nan=allow_nan)
+
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        return "{" + ",".join(f"{dumps(key)}:{json_in_pieces(item, ensure_ascii, allow_nan)}"
+                              for key, item in value.items()) + "}"
+    if isinstance(value, (list, tuple)) and len(value) > JSON_PIECE_ITEMS:
+        return "[" + ",".join(dumps(list(value[i:i + JSON_PIECE_ITEMS]))[1:-1]
+                              for i in range(0, len(value), JSON_PIECE_ITEMS)) + "]"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(json_in_pieces(item, ensure_ascii, allow_nan) for item in value) + "]"
+    return dumps(value)
 
 
 # --------------------------------------------------------------------------- generation
@@ -311,8 +353,9 @@ class Generation:
         """Abort the request in the engine unless its stream already ended."""
         await abort_unless_finished(self.engine, self.stream)
 
-    async def collect(self) -> dict[str, Any]:
-        """Read the whole stream; the non-streaming response object.
+    async def collect(self, headers: dict[str, str]) -> Response:
+        """Read the whole stream; the non-streaming response (a ``JSONResponse``
+        built on a worker thread when it lists many logprobs).
 
         A ``RequestFailed`` mid-way raises a 5xx ``APIError``.
         """
@@ -324,7 +367,36 @@ class Generation:
                 choices.setdefault(event.index, ChoiceState(event.index)).add(
                     event, self.renderer.token_text)
         self._log_outputs(choices)
-        return self.renderer.response(list(choices.values()), len(self.accepted.prompt_token_ids))
+        states = list(choices.values())
+        num_tokens = sum(len(c.token_ids) for c in states)
+        return await self._maybe_off_loop(
+            num_tokens + len(states) * self._echoed_tokens(), self._json_response, states, headers)
+
+    def _json_response(self, choices: list[ChoiceState], headers: dict[str, str],
+                       large: bool) -> Response:
+        """The ``JSONResponse`` of the finished choices (encoded in pieces when ``large``)."""
+        body = self.renderer.response(choices, len(self.accepted.prompt_token_ids))
+        if not large:
+            return JSONResponse(body, headers=headers)
+        text = json_in_pieces(body, ensure_ascii=False, allow_nan=False)
+        return Response(text.encode("utf-8"), media_type="application/json", headers=headers)
+
+    def _echoed_tokens(self) -> int:
+        """Prompt tokens whose logprobs a choice lists (completions ``echo``)."""
+        renderer = self.renderer
+        return len(renderer.prompt_token_ids) if renderer.echo else 0
+
+    async def _maybe_off_loop(self, num_tokens: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args, large)``: ``large`` and on a worker thread when it renders
+        the logprobs of more than ``OFFLOAD_MIN_LOGPROB_TOKENS`` tokens."""
+        if self.renderer.logprobs_top is not None and num_tokens > OFFLOAD_MIN_LOGPROB_TOKENS:
+            return await anyio.to_thread.run_sync(functools.partial(fn, *args, True))
+        return fn(*args, False)
+
+    def _chunk_bytes(self, state: ChoiceState, event: RequestOutput, large: bool) -> bytes | None:
+        """The SSE bytes of one output's chunk (None: nothing to send)."""
+        chunk = self.renderer.delta_chunk(state, event)
+        return None if chunk is None else sse(chunk, large)
 
     def _log_outputs(self, choices: dict[int, ChoiceState]) -> None:
         """With ``--log-prompts`` only: log the generated texts."""
@@ -348,9 +420,11 @@ class Generation:
                 break
             if isinstance(event, RequestOutput):
                 state = choices.setdefault(event.index, ChoiceState(event.index))
-                chunk = renderer.delta_chunk(state, event)
-                if chunk is not None:
-                    yield sse(chunk)
+                echoed = 0 if state.echoed else self._echoed_tokens()
+                data = await self._maybe_off_loop(len(event.token_ids) + echoed,
+                                                  self._chunk_bytes, state, event)
+                if data is not None:
+                    yield data
         else:
             if renderer.include_usage:
                 yield sse(renderer.usage_chunk(list(choices.values()),
@@ -398,17 +472,19 @@ async def run_generation(request: Request, engine: EngineClient, prepared: Prepa
         renderer = prepared.renderer
         renderer.prompt_token_ids = tuple(first.prompt_token_ids)
         if renderer.echo and renderer.echo_text is None:
-            renderer.echo_text = decode_prompt(engine, renderer.prompt_token_ids)
+            renderer.echo_text = await anyio.to_thread.run_sync(
+                decode_prompt, engine, renderer.prompt_token_ids)
         generation = Generation(engine, stream, renderer, first,
                                 prepared.generate.sampling_params.n, prepared.log_prompts)
         if prepared.stream:
             handed_off = True
             return EventStreamResponse(generation.events(), generation.abort_unless_finished,
                                        headers=headers)
-        gone, body = await unless_disconnected(request.receive, generation.collect)
+        gone, response = await unless_disconnected(request.receive,
+                                                   lambda: generation.collect(headers))
         if gone:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(body, headers=headers)
+        return response
     finally:
         if not handed_off:
             with anyio.CancelScope(shield=True):

@@ -12,6 +12,12 @@ from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+#: Texts of at least this many characters are encoded through the binding's
+#: ``encode_batch``, which releases the GIL while Rust encodes (its ``encode``
+#: keeps it), so a long prompt encoded on a worker thread does not stall the
+#: event loop; below it ``encode`` is cheaper (no hop to the Rayon pool).
+RELEASE_GIL_MIN_CHARS = 1024
+
 
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
@@ -101,9 +107,13 @@ class Tokenizer:
 
         Special-token strings inside ``text`` (e.g. ``<|im_start|>``) map to their ids.
         With ``add_special_tokens``, BOS is prepended only if tokenizer_config.json says
-        ``add_bos_token: true`` (SmolLM2 says false, so nothing is added).
+        ``add_bos_token: true`` (SmolLM2 says false, so nothing is added). Texts of
+        ``RELEASE_GIL_MIN_CHARS`` or more are encoded without holding the GIL (same ids).
         """
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if len(text) >= RELEASE_GIL_MIN_CHARS:
+            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
