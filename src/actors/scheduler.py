@@ -181,8 +181,7 @@ class SchedulerActor(Actor):
     def _fail_step(self, output: SchedulerOutput, error: str) -> None:
         """A step raised: fail exactly its requests, forget the prefix-cache
         hashes of the blocks it was writing, and carry on."""
-        self.core.kv_cache_manager.evict_hashes(
-            {b for r in output.scheduled for b in r.block_ids})
+        self.core.kv_cache_manager.evict_hashes(output.written_block_ids)
         ids = tuple(r.request_id for r in output.scheduled)
         updates = self.core.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         self.log.error("step_failed", step_id=output.step_id, error=error, request_ids=list(ids))

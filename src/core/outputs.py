@@ -16,15 +16,18 @@ from .sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's work in a step.
+    """One request's work in a step, as a delta to what the runner holds.
 
-    - ``token_ids``: the tokens whose K/V are computed this step (a prompt
+    - ``num_tokens``: tokens whose K/V are computed this step (a prompt
       chunk, the last generated token, or after preemption the prompt +
-      output tokens being recomputed).
-    - ``start_position``: position of ``token_ids[0]`` (= tokens already in
+      output tokens being recomputed); the runner knows their ids: the
+      prompt and earlier outputs came with ``NewRequestData``, later tokens
+      are the ones it sampled.
+    - ``start_position``: position of the first of them (= tokens already in
       the KV cache before this step).
-    - ``block_ids``: the request's whole block table after allocation; token
-      at position p lives in block ``block_ids[p // block_size]``, slot
+    - ``new_block_ids``: blocks appended to the request's block table since
+      it was last scheduled; the whole table when ``is_new``. Token at
+      position p lives in block ``table[p // block_size]``, slot
       ``p % block_size``.
     - ``sample``: True iff this step computes the request's last known token,
       so the runner samples the next token from its logits.
@@ -33,16 +36,11 @@ class ScheduledRequest:
     """
 
     request_id: str
-    token_ids: tuple[int, ...]
+    num_tokens: int
     start_position: int
-    block_ids: tuple[int, ...]
+    new_block_ids: tuple[int, ...]
     sample: bool
     is_new: bool
-
-    @property
-    def num_tokens(self) -> int:
-        """Number of tokens computed this step."""
-        return len(self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -146,6 +144,8 @@ class SchedulerOutput:
     - ``num_running`` / ``num_waiting``: queue lengths after scheduling.
     - ``divergences``: prefix-cache divergences of the requests admitted for
       the first time in this step (see ``PrefixCacheDivergence``).
+    - ``written_block_ids``: the blocks this step writes K/V into (their
+      prefix-cache hashes must go if the step fails).
     """
 
     step_id: int
@@ -164,6 +164,7 @@ class SchedulerOutput:
     num_running: int
     num_waiting: int
     divergences: tuple[PrefixCacheDivergence, ...] = ()
+    written_block_ids: tuple[int, ...] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -68,6 +68,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: dict[str, None] = {}  # ordered set, drained each step
+        # request id -> length of its block table the runner has (deltas)
+        self._blocks_sent: dict[str, int] = {}
         self._step_id = 0
 
     # ----------------------------------------------------------- bookkeeping
@@ -133,6 +135,7 @@ class Scheduler:
         """Mark finished, free blocks, forget it. Caller removed it from queues."""
         request.status = status
         request.error = error
+        self._blocks_sent.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids[request.request_id] = None
@@ -228,6 +231,7 @@ class Scheduler:
             self.kv_cache_manager.evict_hashes(
                 self.kv_cache_manager.get_block_ids(request.request_id)[first_unwritten:])
         num_freed = self.kv_cache_manager.free(request)
+        self._blocks_sent.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -320,18 +324,31 @@ class Scheduler:
             num_decode_tokens=num_decode, first_scheduled_request_ids=tuple(step.first_scheduled),
             prefix_cache_queries=queries, prefix_cache_hits=hits,
             kv_cache_usage=self.kv_cache_manager.usage, num_running=len(self.running),
-            num_waiting=len(self.waiting), divergences=tuple(step.divergences))
+            num_waiting=len(self.waiting), divergences=tuple(step.divergences),
+            written_block_ids=self._written_blocks(scheduled))
+
+    def _written_blocks(self, scheduled: list[ScheduledRequest]) -> tuple[int, ...]:
+        """Block ids that the scheduled chunks write into."""
+        bs = self.block_size
+        written: list[int] = []
+        for chunk in scheduled:
+            table = self.kv_cache_manager.get_block_ids(chunk.request_id)
+            end = chunk.start_position + chunk.num_tokens
+            written += table[chunk.start_position // bs:cdiv(end, bs)]
+        return tuple(written)
 
     def _scheduled_request(self, request_id: str, num_new: int, is_new: bool) -> ScheduledRequest:
+        """The step's delta for one request: its blocks since it was last
+        scheduled (all of them when new; a table only grows while running)."""
         request = self.requests[request_id]
         start = request.num_computed_tokens
+        block_ids = self.kv_cache_manager.get_block_ids(request_id)
+        sent = 0 if is_new else self._blocks_sent.get(request_id, 0)
+        self._blocks_sent[request_id] = len(block_ids)
         return ScheduledRequest(
-            request_id=request_id,
-            token_ids=tuple(request.all_token_ids[start:start + num_new]),
-            start_position=start,
-            block_ids=tuple(self.kv_cache_manager.get_block_ids(request_id)),
-            sample=start + num_new == request.num_tokens,
-            is_new=is_new)
+            request_id=request_id, num_tokens=num_new, start_position=start,
+            new_block_ids=tuple(block_ids[sent:]),
+            sample=start + num_new == request.num_tokens, is_new=is_new)
 
     def _is_decode(self, scheduled: ScheduledRequest) -> bool:
         request = self.requests[scheduled.request_id]

@@ -1,11 +1,13 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
 
-It keeps a small per-request state (token ids, sampling state) between steps,
-created when the scheduler marks a request ``is_new`` (first scheduling or
-resumption after preemption) and dropped when the scheduler lists it as
-finished. From the scheduled chunks it builds the flat batch: input ids,
-positions, slot mapping, block tables, sequence lengths, query start offsets
-and the rows to sample (vLLM's "attention metadata").
+It keeps a per-request state between steps: the sampling state and, in the
+persistent ``InputBatch``, the token ids and block table. Both are created
+when the scheduler marks a request ``is_new`` (first scheduling or resumption
+after preemption), grown by each step's deltas (new blocks; the tokens the
+runner samples) and dropped when the scheduler lists the request as
+finished. From them it gathers the flat batch: input ids, positions, slot
+mapping, block tables, sequence lengths, query start offsets and the rows to
+sample (vLLM's "attention metadata").
 
 Runs on the worker thread; nothing here touches asyncio.
 """
@@ -19,6 +21,7 @@ import numpy as np
 
 from kvserve.config import ModelConfig
 from kvserve.core.outputs import SchedulerOutput
+from kvserve.model.input_batch import BatchInputs, InputBatch
 from kvserve.model.llama import AttentionMetadata, LlamaModel
 from kvserve.model.ops import Ops
 from kvserve.model.sampler import LogprobEntry, SamplingState, prompt_logprobs, sample
@@ -50,56 +53,6 @@ class ModelRunnerOutput:
     sample_seconds: float = 0.0
 
 
-@dataclass(frozen=True)
-class BatchInputs:
-    """The flat batch of one step, as NumPy arrays (host side)."""
-
-    input_ids: np.ndarray        # int64[T]
-    positions: np.ndarray        # int64[T]
-    slot_mapping: np.ndarray     # int64[T]
-    block_tables: np.ndarray     # int32[S, max_blocks]
-    seq_lens: np.ndarray         # int32[S]
-    query_start_loc: np.ndarray  # int32[S + 1]
-    logits_indices: np.ndarray   # int64[R]
-    sample_ids: tuple[str, ...]  # request id of each sampled row
-
-
-def build_batch(scheduler_output: SchedulerOutput, block_size: int) -> BatchInputs:
-    """Flatten the scheduled chunks into one varlen batch.
-
-    Token j of a chunk starting at position p sits at position p + j; its
-    K/V slot is ``block_ids[(p + j) // block_size] * block_size +
-    (p + j) % block_size`` (the PagedAttention slot mapping, Kwon et al. 2023).
-    """
-    chunks = scheduler_output.scheduled
-    lengths = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
-    query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=query_start_loc[1:])
-    input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64,
-                            count=int(query_start_loc[-1]))
-    starts = np.array([c.start_position for c in chunks], dtype=np.int64)
-    positions = (np.arange(int(query_start_loc[-1]), dtype=np.int64)
-                 - np.repeat(query_start_loc[:-1].astype(np.int64) - starts, lengths))
-    max_blocks = max(len(c.block_ids) for c in chunks)
-    block_tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
-    for s, c in enumerate(chunks):
-        block_tables[s, : len(c.block_ids)] = c.block_ids
-    seq_index = np.repeat(np.arange(len(chunks)), lengths)
-    slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
-                    + positions % block_size)
-    sampled = [s for s, c in enumerate(chunks) if c.sample]
-    return BatchInputs(
-        input_ids=input_ids,
-        positions=positions,
-        slot_mapping=slot_mapping,
-        block_tables=block_tables,
-        seq_lens=(starts + lengths).astype(np.int32),
-        query_start_loc=query_start_loc,
-        logits_indices=query_start_loc[1:][sampled].astype(np.int64) - 1,
-        sample_ids=tuple(chunks[s].request_id for s in sampled),
-    )
-
-
 class ModelRunner:
     """Owns the model, the KV cache buffers and the per-request sampling state.
 
@@ -126,6 +79,7 @@ class ModelRunner:
                                                 model_config.head_dim)
                           for _ in range(model_config.num_hidden_layers)]
         self.states: dict[str, SamplingState] = {}
+        self.input_batch = InputBatch(block_size)
         self._generator = np.random.default_rng(seed)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -138,7 +92,7 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput()
-        batch = build_batch(scheduler_output, self.block_size)
+        batch = self.input_batch.build(scheduler_output.scheduled)
         num_sampled = len(batch.sample_ids)
         prompt_rows = self._prompt_logprob_rows(scheduler_output, batch)
         if prompt_rows:
@@ -168,7 +122,7 @@ class ModelRunner:
                 continue
             prompt = state.prompt_token_ids
             start = chunk.start_position
-            stop = min(start + len(chunk.token_ids), len(prompt) - 1)
+            stop = min(start + chunk.num_tokens, len(prompt) - 1)
             if stop <= start:
                 continue
             # Positions before ``start`` were computed without us (cannot happen:
@@ -202,6 +156,8 @@ class ModelRunner:
         return np.asarray(self.ops.to_numpy(self.model.compute_logits(hidden)), dtype=np.float32)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply the step's deltas to the input batch and the sampling states."""
+        self.input_batch.apply(scheduler_output)
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
         for new in scheduler_output.new_requests:
@@ -225,6 +181,7 @@ class ModelRunner:
         output = ModelRunnerOutput()
         for rid, state, token, entry in zip(batch.sample_ids, states, tokens, entries):
             state.append(token)  # keeps the penalty counts current
+            self.input_batch.append_tokens(rid, (token,))
             output.sampled[rid] = [token]
             if entry is not None:
                 output.logprobs[rid] = [entry]

@@ -51,19 +51,27 @@ def run_to_end(sched, max_steps=1000):
     raise AssertionError("requests did not finish")
 
 
+def tokens(sched, s):
+    """The ids of a scheduled chunk's tokens (the runner knows them; the
+    output carries only their count)."""
+    request = sched.requests[s.request_id]
+    return tuple(request.all_token_ids[s.start_position:s.start_position + s.num_tokens])
+
+
 def test_single_request_prefill_then_decode():
     sched = make_sched()
     sched.add_request(make_req("a", 10, max_tokens=3))
     out, updates = step(sched)
     (s,) = out.scheduled
-    assert s.token_ids == tuple(range(10)) and s.start_position == 0 and s.sample and s.is_new
-    assert s.block_ids == (0, 1, 2)
+    assert tokens(sched, s) == tuple(range(10)) and s.start_position == 0 and s.sample
+    assert s.is_new and s.new_block_ids == (0, 1, 2)
     assert out.new_requests[0].prompt_token_ids == tuple(range(10))
     assert out.first_scheduled_request_ids == ("a",) and out.num_prefill_tokens == 10
     assert updates["a"].new_token_ids == (GEN,) and updates["a"].num_cached_tokens == 0
     out, _ = step(sched)
     (s,) = out.scheduled
-    assert (s.token_ids, s.start_position, s.is_new) == ((GEN,), 10, False)
+    assert (tokens(sched, s), s.start_position, s.is_new) == ((GEN,), 10, False)
+    assert s.new_block_ids == ()  # the runner has its table already
     assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 0 and not out.new_requests
     out, updates = step(sched)
     assert updates["a"].finish_reason is FinishReason.LENGTH
@@ -81,7 +89,7 @@ def test_chunked_prefill_alone_uses_full_budget():
     while True:
         out, updates = step(sched)
         (s,) = out.scheduled
-        chunks.append((s.start_position, len(s.token_ids), s.sample))
+        chunks.append((s.start_position, s.num_tokens, s.sample))
         if s.sample:
             break
     assert [c[1] for c in chunks] == [16] * 18 + [12]
@@ -95,7 +103,7 @@ def test_chunked_prefill_while_another_request_decodes_every_step():
     sched.add_request(make_req("short", 4, first=500, max_tokens=100))
     sched.add_request(make_req("long", 300, max_tokens=2))
     out, _ = step(sched)
-    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("short", 4),
+    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("short", 4),
                                                                           ("long", 12)]
     position, num_steps = 12, 1
     while position < 300:
@@ -103,17 +111,17 @@ def test_chunked_prefill_while_another_request_decodes_every_step():
         num_steps += 1
         assert out.num_batched_tokens <= 16
         short, long_ = out.scheduled  # the decode comes first
-        assert short.request_id == "short" and short.token_ids == (GEN,) and short.sample
+        assert short.request_id == "short" and tokens(sched, short)[-1] == GEN and short.sample
         assert long_.request_id == "long" and long_.start_position == position
-        assert len(long_.token_ids) == min(15, 300 - position)
-        assert long_.token_ids == tuple(range(position, position + len(long_.token_ids)))
-        position += len(long_.token_ids)
+        assert long_.num_tokens == min(15, 300 - position)
+        assert tokens(sched, long_) == tuple(range(position, position + long_.num_tokens))
+        position += long_.num_tokens
         assert long_.sample == (position == 300)
         assert updates["short"].num_output_tokens == num_steps
-        assert out.num_decode_tokens == 1 and out.num_prefill_tokens == len(long_.token_ids)
+        assert out.num_decode_tokens == 1 and out.num_prefill_tokens == long_.num_tokens
     assert num_steps == 1 + 20
     out, _ = step(sched)  # now both decode
-    assert [len(s.token_ids) for s in out.scheduled] == [1, 1]
+    assert [s.num_tokens for s in out.scheduled] == [1, 1]
 
 
 def test_token_budget_and_max_num_seqs():
@@ -139,7 +147,7 @@ def test_budget_cuts_admitted_prompt():
     sched.add_request(make_req("a", 6))
     sched.add_request(make_req("b", 9))
     out, _ = step(sched)
-    assert [(s.request_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
+    assert [(s.request_id, s.num_tokens, s.sample) for s in out.scheduled] == [
         ("a", 6, True), ("b", 4, False)]
     assert sched.num_waiting == 0 and sched.num_waiting_tokens == 0
 
@@ -178,7 +186,9 @@ def test_preemption_fcfs_evicts_last_admitted_which_resumes_and_finishes():
     s, new = resumed
     assert new.resumed and new.output_token_ids == outputs_before
     assert new.num_cached_tokens == 4 and s.start_position == 4  # B's head block survived
-    assert s.token_ids == tuple(range(104, 106)) + outputs_before and s.sample
+    assert s.num_tokens == 2 + len(outputs_before) and s.sample  # recomputes from position 4
+    assert new.prompt_token_ids + new.output_token_ids == tuple(range(100, 106)) + outputs_before
+    assert len(s.new_block_ids) >= 2  # the whole table again: the runner dropped it
     assert finished["A"].finish_reason is FinishReason.LENGTH
     assert finished["B"].num_output_tokens == 5 and finished["B"].num_preemptions == 1
     assert finished["B"].num_cached_tokens == 0  # the first scheduling's hits
@@ -302,7 +312,7 @@ def test_prefix_cache_hit_across_requests_and_stats():
     sched.add_request(make_req("b", 10, max_tokens=1))
     out, updates = step(sched)
     s = by_id(out)["b"]
-    assert s.start_position == 8 and s.token_ids == (8, 9)
+    assert s.start_position == 8 and s.num_tokens == 2
     assert out.new_requests[0].num_cached_tokens == 8
     assert (out.prefix_cache_queries, out.prefix_cache_hits) == (10, 8)
     assert updates["b"].num_cached_tokens == 8

@@ -33,6 +33,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched = Scheduler(self.config, self.manager, BS)
         self.count = 0
         self.diverged = set()
+        self.tables: dict[str, list[int]] = {}  # block tables as the deltas build them
 
     @rule(prefix=st.sampled_from(range(len(PREFIXES))), prefix_len=st.integers(0, 12),
           tail=st.lists(st.integers(4, 9), max_size=10), max_tokens=st.integers(1, 6),
@@ -67,7 +68,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _check_output(self, out):
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens
-        assert out.num_batched_tokens == sum(len(s.token_ids) for s in out.scheduled)
+        assert out.num_batched_tokens == sum(s.num_tokens for s in out.scheduled)
         assert len(out.scheduled) <= self.config.max_num_seqs
         ids = [s.request_id for s in out.scheduled]
         assert len(set(ids)) == len(ids)
@@ -84,10 +85,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         for s in out.scheduled:
             req = self.sched.requests[s.request_id]
             assert s.start_position == req.num_computed_tokens
-            end = s.start_position + len(s.token_ids)
-            assert len(s.token_ids) >= 1 and end <= req.num_tokens
-            assert s.token_ids == tuple(req.all_token_ids[s.start_position:end])
-            assert len(s.block_ids) * BS >= end
+            end = s.start_position + s.num_tokens
+            assert s.num_tokens >= 1 and end <= req.num_tokens
+            # The deltas rebuild the block table the KV cache manager holds.
+            if s.is_new:
+                self.tables[s.request_id] = []
+            self.tables[s.request_id] += s.new_block_ids
+            table = self.manager.get_block_ids(s.request_id)
+            assert self.tables[s.request_id] == table and len(table) * BS >= end
             assert s.sample == (end == req.num_tokens)
             is_decode = not s.is_new and s.start_position >= req.num_prompt_tokens
             assert not (seen_prefill and is_decode), "a decode after a prefill chunk"

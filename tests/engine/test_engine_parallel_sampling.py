@@ -49,7 +49,7 @@ def test_n3_seeded_samples_share_prompt_blocks(default_engine):
     for step in steps:
         for s in step.scheduled:
             if s.is_new:
-                tables[s.request_id] = s.block_ids
+                tables[s.request_id] = s.new_block_ids  # the whole table when new
                 computed_from[s.request_id] = s.start_position
     assert sorted(tables) == [f"{first.request_id}-{i}" for i in range(N)]
     assert len({t[:num_shared // BLOCK] for t in tables.values()}) == 1
