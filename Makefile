@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install model serve test test-fast mutation-check bench clean
+.PHONY: install model serve test test-fast mutation-check bench bench-llamacpp clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ bench: install
 		--trace tools/baseline/trace.jsonl --warmup 1 --goodput ttft:2000 tpot:500 \
 		--label "make bench" --no-progress --out $(BENCH_OUT)/result.json
 	$(PY) tools/compare.py tools/baseline/result.json $(BENCH_OUT)/result.json --preset generous
+
+## kvserve against llama.cpp's llama-server: same GGUF model, same client and workload,
+## one server at a time; prints a table of ratios. Builds llama.cpp once from the
+## llama-cpp-python sdist into $$KVSERVE_CACHE/llama.cpp (cmake, a C++ compiler, ~30 min
+## on 2 cores); the runs take ~7 min. ARGS="--quick" for a smoke run.
+bench-llamacpp: install
+	$(PY) tools/bench_vs_llamacpp.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

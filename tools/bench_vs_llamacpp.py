@@ -1,0 +1,378 @@
+#!/usr/bin/env python3
+"""kvserve against llama.cpp's own server: one workload, one client, a table of ratios.
+
+Both servers run the same model (the Q4_1 GGUF that kvserve's default model is
+converted from; llama.cpp serves the GGUF itself), one at a time on this
+machine, and are measured by the same client (``kvserve.bench.replay``) with
+the same requests:
+
+- load: ~100-word prompts, distinct per request (no prefix-cache advantage),
+  ``--output-tokens`` (128) tokens streamed with EOS ignored, closed loops of
+  1, 8 and 32 clients (2x the concurrency requests, at least 4), at
+  temperature 0 and at temperature 0.8 / top_p 0.95; output tokens/s at each
+  concurrency, TTFT and ITL p50/p99 at the highest;
+- prefill: a ~2,000-token prompt with max_tokens 1, sent alone after a
+  warm-up request, prompt tokens / TTFT (median of 3 prompts); for
+  llama.cpp also ``llama-bench -p 2000 -n 0 -t 2`` (no HTTP, no sampling).
+
+llama.cpp is built once from the ``llama-cpp-python`` source distribution (it
+vendors llama.cpp) into ``$KVSERVE_CACHE/llama.cpp`` (``--llamacpp-dir``);
+steps already done (download, extraction, configure, binaries) are skipped.
+The throughput runs use ``llama-server -np <max concurrency> -c <512 per
+slot>``; the prefill runs a second ``llama-server -np 1 -c 4096``, because a
+512-token slot cannot hold the 2,000-token prompt.
+
+Usage::
+
+    python tools/bench_vs_llamacpp.py                      # full run (~7 min on 2 cores)
+    python tools/bench_vs_llamacpp.py --quick              # smoke run
+    python tools/bench_vs_llamacpp.py --skip-llamacpp --quick
+    python tools/bench_vs_llamacpp.py --concurrency 1 8 --server-args "--block-size 32" \\
+        --out results/vs.json
+    make bench-llamacpp ARGS="--quick"
+
+The Markdown table (metric | llama.cpp | kvserve | kvserve / llama.cpp) is
+printed last, with the load average before and after, kvserve's git commit
+and the llama.cpp version; ``--out`` gets everything as JSON, and the server
+logs go next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from kvserve.bench import replay
+from kvserve.bench.server import ServerProcess, exit_on_sigterm
+from kvserve.bench.trace import TraceRequest
+from kvserve.model.default_model import WHEEL_MEMBER, _fetch_gguf, cache_dir
+
+SDIST = "llama-cpp-python"
+TARGETS = ("llama-server", "llama-bench")
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON"]
+PROMPT_WORDS = 100
+PREFILL_TOKENS = 2000
+SLOT_TOKENS = 512  # llama-server context per slot for the load runs
+TEMPERATURES = ((0.0, None), (0.8, 0.95))  # (temperature, top_p)
+
+
+# --------------------------------------------------------------------------- llama.cpp build
+
+
+def sdist_version(root: Path) -> str | None:
+    """The llama-cpp-python version of the sdist in ``root`` (tarball or extracted)."""
+    for path in sorted(root.glob("llama_cpp_python-*")):
+        name = path.name.removesuffix(".tar.gz")
+        return name.removeprefix("llama_cpp_python-")
+    return None
+
+
+def fetch_sdist(root: Path) -> Path:
+    """The sdist tarball in ``root``, downloaded with pip unless already there."""
+    found = sorted(root.glob("llama_cpp_python-*.tar.gz"))
+    if found:
+        return found[-1]
+    root.mkdir(parents=True, exist_ok=True)
+    _check([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            "--disable-pip-version-check", SDIST, "-d", str(root)])
+    return sorted(root.glob("llama_cpp_python-*.tar.gz"))[-1]
+
+
+def extract_sdist(tarball: Path) -> Path:
+    """The vendored llama.cpp source folder, extracted next to ``tarball`` once."""
+    top = tarball.parent / tarball.name.removesuffix(".tar.gz")
+    source = top / "vendor" / "llama.cpp"
+    if not (source / "CMakeLists.txt").is_file():
+        with tarfile.open(tarball) as tar:
+            tar.extractall(tarball.parent, filter="data")
+    return source
+
+
+def ensure_llamacpp(root: Path) -> dict[str, Path]:
+    """Paths of the ``llama-server`` and ``llama-bench`` binaries, building them if missing."""
+    binaries = {name: root / "build" / "bin" / name for name in TARGETS}
+    if all(path.is_file() for path in binaries.values()):
+        return binaries
+    source = extract_sdist(fetch_sdist(root))
+    build = root / "build"
+    if not (build / "CMakeCache.txt").is_file():
+        _check(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS])
+    _check(["cmake", "--build", str(build), "-j2", "--target", *TARGETS])
+    return binaries
+
+
+def ensure_gguf(root: Path) -> Path:
+    """The default model's Q4_1 GGUF in ``root``, extracted from its wheel once."""
+    gguf = root / Path(WHEEL_MEMBER).name
+    if not gguf.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".gguf-", dir=root) as tmp:
+            os.rename(_fetch_gguf(Path(tmp)), gguf)
+    return gguf
+
+
+def _check(cmd: list[str]) -> str:
+    print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
+    return subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+
+
+# --------------------------------------------------------------------------- client
+
+
+@contextlib.contextmanager
+def request_overrides(body: dict, headers: dict):
+    """Merge ``body`` and ``headers`` into every request ``replay`` builds
+    (its client takes a temperature but no other sampling field)."""
+    build_body, build_headers = replay.build_body, replay.build_headers
+    replay.build_body = lambda *args, **kwargs: {**build_body(*args, **kwargs), **body}
+    replay.build_headers = lambda *args, **kwargs: {**build_headers(*args, **kwargs), **headers}
+    try:
+        yield
+    finally:
+        replay.build_body, replay.build_headers = build_body, build_headers
+
+
+#: llama-server closes the connection after each streamed response although it
+#: announces keep-alive; a client that reuses it can fail with "Server
+#: disconnected without sending a response". So one connection per request, for
+#: both servers.
+HEADERS = {"Connection": "close"}
+
+
+def send(base_url: str, requests: list[TraceRequest], concurrency: int,
+         temperature: float = 0.0, top_p: float | None = None) -> tuple[list, float]:
+    """Send ``requests`` in a closed loop of ``concurrency`` clients (stream,
+    EOS ignored); ``run_replay``'s (results, duration in s)."""
+    model = replay.first_model_id(replay.server_info(base_url))
+    body = {} if top_p is None else {"top_p": top_p}
+    with request_overrides(body, HEADERS):
+        return asyncio.run(replay.run_replay(
+            requests, base_url, model=model, max_concurrency=concurrency,
+            temperature=temperature, progress=False, run_id="vsllamacpp"))
+
+
+def make_requests(tag: str, n: int, prompt_tokens: int, output_tokens: int) -> list[TraceRequest]:
+    """``n`` requests whose prompts ``replay`` synthesizes from their ids: the
+    same for both servers, distinct between requests and between runs."""
+    return [TraceRequest(id=f"{tag}-{i}", arrival_s=0.0, cls=tag, prompt_tokens=prompt_tokens,
+                         output_tokens=output_tokens) for i in range(n)]
+
+
+def load_run(base_url: str, concurrency: int, n: int, output_tokens: int,
+             temperature: float, top_p: float | None) -> dict:
+    """One closed-loop run; its summary plus checks that token counts came
+    from usage and that every request produced ``output_tokens``."""
+    tag = f"t{temperature:g}-c{concurrency}"
+    results, duration = send(base_url, make_requests(tag, n, PROMPT_WORDS, output_tokens),
+                             concurrency, temperature, top_p)
+    summary = replay.summarize(results, duration)
+    ok = [r for r in results if r.success]
+    summary["checks"] = {
+        "usage_counted": sum(r.output_tokens_source == "usage" for r in ok),
+        "short_outputs": sum((r.output_tokens or 0) < output_tokens for r in ok),
+        "first_error": next((r.error for r in results if not r.success), None)}
+    print(f"  T={temperature:g} c={concurrency}: {summary['output_throughput']:.1f} output tok/s, "
+          f"{summary['completed']}/{n} ok, checks {summary['checks']}", file=sys.stderr, flush=True)
+    return summary
+
+
+def prefill_run(base_url: str, prompt_tokens: int = PREFILL_TOKENS, repeats: int = 3) -> dict:
+    """Prompt tokens / TTFT of one long prompt with max_tokens 1, sent alone,
+    after a warm-up request; the median of ``repeats`` distinct prompts."""
+    send(base_url, make_requests("prefill-warmup", 1, prompt_tokens, 1), 1)
+    results, _ = send(base_url, make_requests("prefill", repeats, prompt_tokens, 1), 1)
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        return {"error": failed[0]}
+    rates = sorted(r.prompt_tokens / r.ttft for r in results)
+    return {"tokens_per_s": rates[len(rates) // 2], "all_tokens_per_s": rates,
+            "prompt_tokens": [r.prompt_tokens for r in results],
+            "ttft_ms": [r.ttft * 1000.0 for r in results]}
+
+
+# --------------------------------------------------------------------------- servers
+
+
+def load_runs(base_url: str, args: argparse.Namespace) -> dict:
+    """Warm up, then every (temperature, concurrency) run; keyed ``"0"``/``"0.8"`` -> ``"c"``."""
+    send(base_url, make_requests("warmup", 2, PROMPT_WORDS, 16), 2)
+    runs: dict = {}
+    for temperature, top_p in TEMPERATURES:
+        for c in args.concurrency:
+            n = max(2, c) if args.quick else max(4, 2 * c)
+            runs.setdefault(f"{temperature:g}", {})[str(c)] = load_run(
+                base_url, c, n, args.output_tokens, temperature, top_p)
+    return runs
+
+
+def measure_kvserve(args: argparse.Namespace, out_dir: Path) -> dict:
+    """Load runs and the prefill of ``kvserve serve`` (one server for both)."""
+    print("kvserve:", file=sys.stderr, flush=True)
+    flags = ["--max-num-seqs", str(max(64, *args.concurrency)), "--kv-cache-memory", "1GiB",
+             *shlex.split(args.server_args)]
+    before = _loadavg()
+    with ServerProcess(flags, log_path=out_dir / "kvserve.log") as server:
+        return {"command": server.args, "load": load_runs(server.base_url, args),
+                "prefill": prefill_run(server.base_url), "loadavg": [before, _loadavg()]}
+
+
+def llama_server(binary: Path, gguf: Path, slots: int, context: int, log: Path) -> ServerProcess:
+    """``llama-server`` on a free port with 2 threads and ``slots`` parallel sequences."""
+    command = (f"{shlex.quote(str(binary))} -m {shlex.quote(str(gguf))} -t 2 -np {slots} "
+               f"-c {context} --host 127.0.0.1 --port {{port}}")
+    return ServerProcess(command=command, log_path=log, health_paths=("/health",))
+
+
+def measure_llamacpp(args: argparse.Namespace, out_dir: Path) -> dict:
+    """Build (if needed), then load runs, prefill and ``llama-bench``."""
+    root = Path(args.llamacpp_dir)
+    binaries, gguf = ensure_llamacpp(root), ensure_gguf(root)
+    print("llama.cpp:", file=sys.stderr, flush=True)
+    slots = max(args.concurrency)
+    result: dict = {"sdist_version": sdist_version(root), "gguf": str(gguf)}
+    before = _loadavg()
+    with llama_server(binaries["llama-server"], gguf, slots, slots * SLOT_TOKENS,
+                      out_dir / "llama-server.log") as server:
+        result.update(command=server.args, load=load_runs(server.base_url, args))
+    with llama_server(binaries["llama-server"], gguf, 1, 4096,
+                      out_dir / "llama-server-prefill.log") as server:
+        result["prefill"] = prefill_run(server.base_url)
+    result["llama_bench"] = llama_bench(binaries["llama-bench"], gguf)
+    result["loadavg"] = [before, _loadavg()]
+    return result
+
+
+def llama_bench(binary: Path, gguf: Path) -> dict:
+    """``llama-bench -p 2000 -n 0 -t 2``: prompt tokens/s and llama.cpp's build."""
+    out = _check([str(binary), "-m", str(gguf), "-p", str(PREFILL_TOKENS), "-n", "0",
+                  "-t", "2", "-o", "json"])
+    row = json.loads(out)[0]
+    return {"tokens_per_s": row["avg_ts"], "stddev": row["stddev_ts"],
+            "build_commit": row.get("build_commit"), "build_number": row.get("build_number")}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _get(data: dict | None, *keys):
+    for key in keys:
+        if not isinstance(data, dict) or data.get(key) is None:
+            return None
+        data = data[key]
+    return data
+
+
+Row = tuple[str, "float | None", "float | None"]
+
+
+def table_rows(result: dict, concurrency: list[int]) -> list[Row]:
+    """(metric, llama.cpp, kvserve) for every reported figure."""
+    top = str(max(concurrency))
+    rows = []
+    for temperature, top_p in TEMPERATURES:
+        t = f"{temperature:g}"
+        label = f"T={t}" + (f", top_p={top_p:g}" if top_p else "")
+        for c in concurrency:
+            path = ("load", t, str(c), "output_throughput")
+            rows.append((f"output tok/s, c={c}, {label}", *_pair(result, path)))
+        for metric in ("TTFT", "ITL"):
+            for stat, shown in (("median", "p50"), ("p99", "p99")):
+                path = ("load", t, top, f"{metric.lower()}_ms", stat)
+                rows.append((f"{metric} {shown} ms, c={top}, {label}", *_pair(result, path)))
+    rows.append((f"prefill tok/s, {PREFILL_TOKENS}-token prompt, TTFT",
+                 *_pair(result, ("prefill", "tokens_per_s"))))
+    rows.append(("prefill tok/s, llama-bench pp2000 (kvserve: TTFT)",
+                 _get(result.get("llamacpp"), "llama_bench", "tokens_per_s"),
+                 _get(result.get("kvserve"), "prefill", "tokens_per_s")))
+    return rows
+
+
+def _pair(result: dict, path: tuple) -> tuple[float | None, float | None]:
+    return _get(result.get("llamacpp"), *path), _get(result.get("kvserve"), *path)
+
+
+def format_table(rows: list) -> str:
+    """The Markdown table of ``rows``, with the kvserve / llama.cpp ratio."""
+    def cell(value):
+        return "" if value is None else f"{value:.1f}"
+
+    lines = ["| metric | llama.cpp | kvserve | kvserve / llama.cpp |", "|---|---:|---:|---:|"]
+    for name, llama, kv in rows:
+        ratio = f"{kv / llama:.2f}" if llama and kv is not None else ""
+        lines.append(f"| {name} | {cell(llama)} | {cell(kv)} | {ratio} |")
+    return "\n".join(lines)
+
+
+def format_report(result: dict) -> str:
+    """The table plus load averages, commit, versions and the JSON's path."""
+    llama = result.get("llamacpp") or {}
+    build = llama.get("llama_bench") or {}
+    git = result["kvserve_git"]
+
+    def load(part: dict) -> str:
+        return " -> ".join(map(str, part["loadavg"])) if "loadavg" in part else "-"
+
+    return "\n".join([
+        format_table(table_rows(result, result["config"]["concurrency"])), "",
+        "ratio > 1: kvserve higher (better for tok/s, worse for ms).",
+        f"load average (1/5/15 min, {os.cpu_count()} cores): llama.cpp runs {load(llama)}; "
+        f"kvserve runs {load(result['kvserve'])}",
+        f"kvserve: git {git['commit']}{' (dirty)' if git['dirty'] else ''}",
+        f"llama.cpp: {SDIST} {llama.get('sdist_version', '-')} sdist, build "
+        f"{build.get('build_number', '-')} ({build.get('build_commit', '-')})",
+        f"results: {result['out']}"])
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--output-tokens", type=int, default=None,
+                   help="tokens per request (default 128; 32 with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: one request per client (at least 2), 32 output tokens")
+    p.add_argument("--skip-llamacpp", action="store_true", help="kvserve alone, columns blank")
+    p.add_argument("--server-args", default="", help="extra 'kvserve serve' flags, one string")
+    p.add_argument("--llamacpp-dir", default=str(cache_dir() / "llama.cpp"),
+                   help="build and model cache (default %(default)s)")
+    p.add_argument("--out", default="results/bench_vs_llamacpp/results.json")
+    args = p.parse_args(argv)
+    if args.output_tokens is None:
+        args.output_tokens = 32 if args.quick else 128
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    exit_on_sigterm()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result: dict = {"config": vars(args), "out": str(out), "kvserve_git": replay.git_info(),
+                    "machine": replay.machine_info(), "loadavg_before": _loadavg()}
+    if not args.skip_llamacpp:  # first: the build, if needed, fails early
+        result["llamacpp"] = measure_llamacpp(args, out.parent)
+    result["kvserve"] = measure_kvserve(args, out.parent)
+    result["loadavg_after"] = _loadavg()
+    out.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    print(format_report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
