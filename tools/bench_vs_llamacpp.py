@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shlex
@@ -129,19 +128,6 @@ def _check(cmd: list[str]) -> str:
 # --------------------------------------------------------------------------- client
 
 
-@contextlib.contextmanager
-def request_overrides(body: dict, headers: dict):
-    """Merge ``body`` and ``headers`` into every request ``replay`` builds
-    (its client takes a temperature but no other sampling field)."""
-    build_body, build_headers = replay.build_body, replay.build_headers
-    replay.build_body = lambda *args, **kwargs: {**build_body(*args, **kwargs), **body}
-    replay.build_headers = lambda *args, **kwargs: {**build_headers(*args, **kwargs), **headers}
-    try:
-        yield
-    finally:
-        replay.build_body, replay.build_headers = build_body, build_headers
-
-
 #: llama-server closes the connection after each streamed response although it
 #: announces keep-alive; a client that reuses it can fail with "Server
 #: disconnected without sending a response". So one connection per request, for
@@ -155,10 +141,10 @@ def send(base_url: str, requests: list[TraceRequest], concurrency: int,
     EOS ignored); ``run_replay``'s (results, duration in s)."""
     model = replay.first_model_id(replay.server_info(base_url))
     body = {} if top_p is None else {"top_p": top_p}
-    with request_overrides(body, HEADERS):
-        return asyncio.run(replay.run_replay(
-            requests, base_url, model=model, max_concurrency=concurrency,
-            temperature=temperature, progress=False, run_id="vsllamacpp"))
+    return asyncio.run(replay.run_replay(
+        requests, base_url, model=model, max_concurrency=concurrency,
+        temperature=temperature, progress=False, run_id="vsllamacpp",
+        extra_body=body, extra_headers=HEADERS))
 
 
 def make_requests(tag: str, n: int, prompt_tokens: int, output_tokens: int) -> list[TraceRequest]:

@@ -260,9 +260,13 @@ async def run_replay(requests: list[TraceRequest], base_url: str, *, endpoint: s
                      ignore_eos: bool = True, temperature: float = 0.0,
                      priority_via: str = "header", api_key: str | None = None,
                      timeout: float = 600.0, progress: bool = True,
-                     run_id: str | None = None) -> tuple[list[RequestResult], float]:
+                     run_id: str | None = None, extra_body: dict | None = None,
+                     extra_headers: dict | None = None) -> tuple[list[RequestResult], float]:
     """Replay ``requests``; returns the per-request results (trace order) and the
-    benchmark duration (first send -> last completion, seconds)."""
+    benchmark duration (first send -> last completion, seconds).
+
+    ``extra_body`` fields (e.g. ``top_p``) and ``extra_headers`` (e.g.
+    ``Connection: close``) are merged into every request."""
     import httpx
 
     run_id = run_id or f"bench{int(time.time()) % 1000000:06d}"
@@ -281,8 +285,10 @@ async def run_replay(requests: list[TraceRequest], base_url: str, *, endpoint: s
         start = time.perf_counter()
 
         async def one(req: TraceRequest) -> RequestResult:
-            body = build_body(req, endpoint, model, ignore_eos, temperature, priority_via)
-            headers = build_headers(req, priority_via, api_key, run_id)
+            body = {**build_body(req, endpoint, model, ignore_eos, temperature, priority_via),
+                    **(extra_body or {})}
+            headers = {**build_headers(req, priority_via, api_key, run_id),
+                       **(extra_headers or {})}
             if sem is None:
                 res = await send_request(client, url, req, body, headers, endpoint, start)
             else:
