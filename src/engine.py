@@ -41,11 +41,14 @@ log = structlog.get_logger("kvserve.engine")
 def _make_ops(backend: str, num_threads: int | None):
     if backend == "cpu":
         from kvserve.cpu.ops import CpuOps
-        from kvserve.cpu.threads import apply_thread_policy, resolve_num_threads
+        from kvserve.cpu.threads import apply_thread_policy, busy_warning, resolve_num_threads
 
         policy = apply_thread_policy(resolve_num_threads(num_threads))
         log.info("thread_policy", message=f"CPU threads: {policy.num_threads} for BLAS and "
                  f"Numba ({policy.available_cpus} CPUs available)", **policy.log_fields())
+        warning = busy_warning(policy)
+        if warning is not None:
+            log.warning("cpu_busy", message=warning, num_threads=policy.num_threads)
         return CpuOps(num_threads=policy.num_threads)
     raise ValueError(f"backend {backend!r} is not available in this build; use --backend cpu")
 

@@ -11,6 +11,13 @@ at start-up.
 BLAS threads are limited with threadpoolctl (process-wide); Numba's
 ``set_num_threads`` is per calling thread, so the CPU ops apply it on the
 thread that launches the kernels (``CpuOps.num_threads``).
+
+The default stays one thread per available CPU: measured with
+``tools/bench_threads.py`` on the 2-core machine, idle, 2 threads gave
+145 output tokens/s (16 requests) against 90 with 1; but with two other
+busy processes 2 threads collapsed to 17 tokens/s (and 3.4 tokens/s for a
+single stream) while 1 thread kept 61. So the engine warns at start-up when
+the machine is already busy (``busy_warning``), naming the flag.
 """
 
 from __future__ import annotations
@@ -73,3 +80,24 @@ def apply_thread_policy(num_threads: int) -> ThreadPolicy:
                  for info in threadpool_info() if info["user_api"] == "blas")
     return ThreadPolicy(num_threads, available_cpus(), blas,
                         str(numba.config.THREADING_LAYER))
+
+
+def busy_warning(policy: ThreadPolicy, load_average: float | None = None) -> str | None:
+    """A warning when other work already keeps the CPUs busy, or None.
+
+    ``load_average``: the 1-minute load average (default ``os.getloadavg``).
+    When it reaches the available CPUs and more than one thread is used,
+    BLAS's spin-waiting threads and Numba's stall each other on cores they
+    do not get (see the module docstring).
+    """
+    if load_average is None:
+        try:
+            load_average = os.getloadavg()[0]
+        except OSError:
+            return None
+    if policy.num_threads < 2 or load_average < policy.available_cpus:
+        return None
+    return (f"the machine is busy (load average {load_average:.1f} on "
+            f"{policy.available_cpus} CPUs): with {policy.num_threads} threads, BLAS and "
+            f"Numba threads wait on each other for cores; if steps are slow, try "
+            f"--num-threads 1")

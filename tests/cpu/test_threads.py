@@ -10,7 +10,8 @@ import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from kvserve.cpu.ops import CpuOps
-from kvserve.cpu.threads import apply_thread_policy, available_cpus, resolve_num_threads
+from kvserve.cpu.threads import (ThreadPolicy, apply_thread_policy, available_cpus,
+                                 busy_warning, resolve_num_threads)
 
 
 def blas_threads() -> list[int]:
@@ -54,3 +55,11 @@ def test_cpu_ops_apply_numba_threads_on_the_calling_thread():
         CpuOps(num_threads=0)
     with pytest.raises(ValueError, match="num_threads"):
         CpuOps(num_threads=numba.config.NUMBA_NUM_THREADS + 1)
+
+
+def test_busy_warning_only_when_the_cpus_are_taken_and_threads_would_fight():
+    two = ThreadPolicy(2, 2, ("openblas (pthreads)",), "workqueue")
+    one = ThreadPolicy(1, 2, ("openblas (pthreads)",), "workqueue")
+    assert busy_warning(two, load_average=0.5) is None
+    assert "--num-threads 1" in busy_warning(two, load_average=2.5)
+    assert busy_warning(one, load_average=8.0) is None
