@@ -13,7 +13,8 @@ import time
 import uuid
 from collections.abc import Callable
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig, parse_size
+from kvserve.config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineConfig,
+                            SchedulerConfig, ServerConfig, parse_size)
 
 
 def _positive(kind: type) -> Callable[[str], int | float]:
@@ -43,8 +44,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=POSITIVE_INT, default=16, help="tokens per KV block")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false", help="turn automatic prefix caching off")
-    p.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=2048,
-                   help="token budget of one step (prefill chunks + decodes)")
+    p.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=None,
+                   help="token budget of one step (prefill chunks + decodes); default 256 on "
+                        "the CPU backend (keeps decodes flowing while long prompts prefill), "
+                        "2048 on CUDA")
     p.add_argument("--max-num-seqs", type=POSITIVE_INT, default=64, help="most sequences in one step")
     p.add_argument("--max-step-ms", type=POSITIVE_FLOAT, default=None,
                    help="target milliseconds per step: each step's token budget is sized from "
@@ -81,7 +84,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         from kvserve.model.default_model import ensure_default_model
         model = str(ensure_default_model())
     scheduler = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=(args.max_num_batched_tokens
+                                or DEFAULT_MAX_NUM_BATCHED_TOKENS[args.backend]),
+        max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len or 1 << 30, policy=args.scheduling_policy,
         priority_aging_seconds=args.priority_aging_seconds,
         max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
