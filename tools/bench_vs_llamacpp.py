@@ -207,7 +207,12 @@ def measure_kvserve(args: argparse.Namespace, out_dir: Path) -> dict:
     flags = ["--max-num-seqs", str(max(64, *args.concurrency)), "--kv-cache-memory", "1GiB",
              *shlex.split(args.server_args)]
     before = _loadavg()
-    with ServerProcess(flags, log_path=out_dir / "kvserve.log") as server:
+    if args.kvserve_command:  # another kvserve, e.g. an earlier revision's checkout
+        server_process = ServerProcess(command=f"{args.kvserve_command} {shlex.join(flags)}",
+                                       log_path=out_dir / "kvserve.log")
+    else:
+        server_process = ServerProcess(flags, log_path=out_dir / "kvserve.log")
+    with server_process as server:
         return {"command": server.args, "load": load_runs(server.base_url, args),
                 "prefill": prefill_run(server.base_url), "loadavg": [before, _loadavg()]}
 
@@ -335,6 +340,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="smoke run: one request per client (at least 2), 32 output tokens")
     p.add_argument("--skip-llamacpp", action="store_true", help="kvserve alone, columns blank")
     p.add_argument("--server-args", default="", help="extra 'kvserve serve' flags, one string")
+    p.add_argument("--kvserve-command", default=None,
+                   help="command that starts kvserve's server, with '{port}' and flags of "
+                        "its own (e.g. an earlier checkout: 'env PYTHONPATH=DIR python -m "
+                        "kvserve.cli serve --host 127.0.0.1 --port {port}'); the tool's "
+                        "--max-num-seqs/--kv-cache-memory flags are appended")
     p.add_argument("--llamacpp-dir", default=str(cache_dir() / "llama.cpp"),
                    help="build and model cache (default %(default)s)")
     p.add_argument("--out", default="results/bench_vs_llamacpp/results.json")
