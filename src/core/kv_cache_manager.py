@@ -552,9 +552,14 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(blocks))
         return len(blocks)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (block ids in token order); [] if none."""
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str, start: int = 0, stop: int | None = None) -> list[int]:
+        """The request's block table (block ids in token order), or its slice
+        ``[start:stop]`` (O(slice), for per-step deltas); [] if none."""
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())[start:stop]]
+
+    def num_request_blocks(self, request_id: str) -> int:
+        """Length of the request's block table (0 if it holds none)."""
+        return len(self.req_to_blocks.get(request_id, ()))
 
     def evict_hashes(self, block_ids: Iterable[int]) -> None:
         """Drop the prefix-cache hashes of these blocks (a failed step's)."""

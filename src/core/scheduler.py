@@ -332,9 +332,9 @@ class Scheduler:
         bs = self.block_size
         written: list[int] = []
         for chunk in scheduled:
-            table = self.kv_cache_manager.get_block_ids(chunk.request_id)
             end = chunk.start_position + chunk.num_tokens
-            written += table[chunk.start_position // bs:cdiv(end, bs)]
+            written += self.kv_cache_manager.get_block_ids(
+                chunk.request_id, chunk.start_position // bs, cdiv(end, bs))
         return tuple(written)
 
     def _scheduled_request(self, request_id: str, num_new: int, is_new: bool) -> ScheduledRequest:
@@ -342,12 +342,12 @@ class Scheduler:
         scheduled (all of them when new; a table only grows while running)."""
         request = self.requests[request_id]
         start = request.num_computed_tokens
-        block_ids = self.kv_cache_manager.get_block_ids(request_id)
+        manager = self.kv_cache_manager
         sent = 0 if is_new else self._blocks_sent.get(request_id, 0)
-        self._blocks_sent[request_id] = len(block_ids)
+        self._blocks_sent[request_id] = manager.num_request_blocks(request_id)
         return ScheduledRequest(
             request_id=request_id, num_tokens=num_new, start_position=start,
-            new_block_ids=tuple(block_ids[sent:]),
+            new_block_ids=tuple(manager.get_block_ids(request_id, sent)),
             sample=start + num_new == request.num_tokens, is_new=is_new)
 
     def _is_decode(self, scheduled: ScheduledRequest) -> bool:

@@ -64,7 +64,7 @@ def test_single_request_prefill_then_decode():
     out, updates = step(sched)
     (s,) = out.scheduled
     assert tokens(sched, s) == tuple(range(10)) and s.start_position == 0 and s.sample
-    assert s.is_new and s.new_block_ids == (0, 1, 2)
+    assert s.is_new and s.new_block_ids == (0, 1, 2) and out.written_block_ids == (0, 1, 2)
     assert out.new_requests[0].prompt_token_ids == tuple(range(10))
     assert out.first_scheduled_request_ids == ("a",) and out.num_prefill_tokens == 10
     assert updates["a"].new_token_ids == (GEN,) and updates["a"].num_cached_tokens == 0
@@ -72,6 +72,7 @@ def test_single_request_prefill_then_decode():
     (s,) = out.scheduled
     assert (tokens(sched, s), s.start_position, s.is_new) == ((GEN,), 10, False)
     assert s.new_block_ids == ()  # the runner has its table already
+    assert out.written_block_ids == (2,)  # position 10 of 4-token blocks
     assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 0 and not out.new_requests
     out, updates = step(sched)
     assert updates["a"].finish_reason is FinishReason.LENGTH
