@@ -15,7 +15,7 @@ from pathlib import Path
 
 import structlog
 
-from kvserve.actors.admission import AdmissionActor, AdmissionLimits, InTransit
+from kvserve.actors.admission import AdmissionActor, AdmissionLimits
 from kvserve.actors.detokenizer import DetokenizerActor
 from kvserve.actors.messages import AbortRequest, GenerateRequest, RequestFailed
 from kvserve.actors.registry import StreamRegistry, child_request_ids
@@ -153,13 +153,10 @@ class AsyncEngine:
         self.scheduler.observer = self.observer
         self.worker = WorkerActor(core.runner, self.scheduler)
         self.detokenizer = DetokenizerActor(core.tokenizer, self.streams)
-        sched = core.scheduler
-        self.scheduler.in_transit = InTransit()
         self.admission = AdmissionActor(
             self.streams, self.scheduler, self.detokenizer,
-            admission or AdmissionLimits(policy=core.config.scheduler.policy),
-            waiting_load=lambda: (sched.num_waiting, sched.num_waiting_tokens),
-            in_transit=self.scheduler.in_transit)
+            admission or AdmissionLimits(policy=core.config.scheduler.policy))
+        self.scheduler.admission = self.admission
         self.tokenizer_actor = TokenizerActor(core.tokenizer, core.max_model_len, self.streams,
                                               self.admission)
         self.scheduler.worker = self.worker

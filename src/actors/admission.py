@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.actors.base import Actor
-from kvserve.actors.messages import RequestAccepted, RequestFailed, TokenizedRequest
+from kvserve.actors.messages import QueueLoad, RequestAccepted, RequestFailed, TokenizedRequest
 from kvserve.actors.registry import StreamRegistry
 
 
@@ -26,31 +25,33 @@ class AdmissionLimits:
     retry_after: float = 1.0
 
 
-WaitingLoad = Callable[[], tuple[int, int]]
-
-
 @dataclass
-class InTransit:
-    """Requests admitted but not yet queued by the scheduler actor.
+class WaitingEstimate:
+    """Admission's view of the waiting load, from messages alone.
 
-    Between the admission actor's ``send`` and the scheduler actor's
-    ``add_request`` a request sits in the scheduler's inbox, invisible to the
-    core queue's counts; without this ledger a burst would be admitted whole
-    past the limits. Admission adds, the scheduler actor removes.
+    Between admission's ``send`` and the scheduler actor's ``add_request`` a
+    request sits in the scheduler's inbox, invisible to the queue counts the
+    scheduler reports; without counting those a burst would be admitted whole
+    past the limits. So admission counts what it sent, the scheduler reports
+    what it queued (``QueueLoad``), and the difference is in transit. Stale
+    reports only overestimate (requests that left the queue since), so the
+    limits hold.
     """
 
-    requests: int = 0
-    tokens: int = 0
+    sent_requests: int = 0
+    sent_tokens: int = 0
+    report: QueueLoad = QueueLoad(0, 0, 0, 0)
 
-    def add(self, num_tokens: int) -> None:
-        """One request of ``num_tokens`` prompt tokens is on its way."""
-        self.requests += 1
-        self.tokens += num_tokens
+    def sent(self, num_tokens: int) -> None:
+        """One request of ``num_tokens`` prompt tokens was sent to the scheduler."""
+        self.sent_requests += 1
+        self.sent_tokens += num_tokens
 
-    def remove(self, num_tokens: int) -> None:
-        """The scheduler actor queued it."""
-        self.requests -= 1
-        self.tokens -= num_tokens
+    def load(self) -> tuple[int, int]:
+        """(waiting sequences, waiting tokens), those in transit included."""
+        r = self.report
+        return (r.waiting_requests + self.sent_requests - r.queued_requests,
+                r.waiting_tokens + self.sent_tokens - r.queued_tokens)
 
 
 def refusal(limits: AdmissionLimits, load: tuple[int, int], request: TokenizedRequest,
@@ -88,33 +89,30 @@ class AdmissionActor(Actor):
     scheduler, which also needs it for preemption; this actor applies the
     policy check and the waiting-queue limits first, so an overloaded server
     answers 429 at once instead of queueing work it cannot serve in time.
-    The first sample of a request decides for all its samples.
+    The first sample of a request decides for all its samples. It knows the
+    queue only from the scheduler's ``QueueLoad`` messages (no shared state).
     """
 
     name = "admission"
 
     def __init__(self, streams: StreamRegistry, scheduler: Actor, detokenizer: Actor,
-                 limits: AdmissionLimits | None = None,
-                 waiting_load: WaitingLoad | None = None,
-                 in_transit: InTransit | None = None) -> None:
+                 limits: AdmissionLimits | None = None) -> None:
         super().__init__()
         self.streams = streams
         self.scheduler = scheduler
         self.detokenizer = detokenizer
         self.limits = limits or AdmissionLimits()
-        self.waiting_load = waiting_load or (lambda: (0, 0))
-        self.in_transit = in_transit or InTransit()
+        self.estimate = WaitingEstimate()
 
-    def _load(self) -> tuple[int, int]:
-        waiting, tokens = self.waiting_load()
-        return waiting + self.in_transit.requests, tokens + self.in_transit.tokens
-
-    async def handle(self, message: TokenizedRequest) -> None:
+    async def handle(self, message: TokenizedRequest | QueueLoad) -> None:
+        if isinstance(message, QueueLoad):
+            self.estimate.report = message
+            return
         if not self.streams.is_open(message.parent_id):
             return  # the client left (or the request was refused) meanwhile
         if message.index == 0:
             n = self.streams.num_samples(message.parent_id)
-            failed = refusal(self.limits, self._load(), message, n)
+            failed = refusal(self.limits, self.estimate.load(), message, n)
             if failed is not None:
                 self.log.info("request_rejected", request_id=message.parent_id,
                               status=failed.status, reason=failed.message)
@@ -123,5 +121,5 @@ class AdmissionActor(Actor):
             self.streams.put(message.parent_id,
                              RequestAccepted(message.parent_id, message.prompt_token_ids))
         self.detokenizer.send(message)
-        self.in_transit.add(len(message.prompt_token_ids))
+        self.estimate.sent(len(message.prompt_token_ids))
         self.scheduler.send(message)

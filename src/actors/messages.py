@@ -79,6 +79,23 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class QueueLoad:
+    """The scheduler's waiting queue as it is now (scheduler -> admission).
+
+    ``waiting_requests`` / ``waiting_tokens``: sequences waiting and the
+    tokens they still have to compute; ``queued_requests`` /
+    ``queued_tokens``: cumulative counts of the requests (and their prompt
+    tokens) the scheduler has taken from admission so far, so admission can
+    tell how many it sent are still in transit.
+    """
+
+    waiting_requests: int
+    waiting_tokens: int
+    queued_requests: int
+    queued_tokens: int
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     """New token ids of one request after a step (scheduler -> detokenizer).
 

@@ -8,6 +8,7 @@ from kvserve.actors.base import Actor
 from kvserve.actors.messages import (
     AbortRequest,
     ExecuteStep,
+    QueueLoad,
     StepResult,
     TokenDelta,
     TokenizedRequest,
@@ -46,7 +47,9 @@ class SchedulerActor(Actor):
         self.total_preemptions = 0
         #: Timelines, lifecycle logs and metrics (``kvserve.stats_logger``); set by the engine.
         self.observer = None
-        self.in_transit = None  # kvserve.actors.admission.InTransit, set by the engine
+        self.admission: Actor | None = None  # gets QueueLoad reports; set by the engine
+        self._queued = (0, 0)  # requests and prompt tokens taken from admission so far
+        self._reported: QueueLoad | None = None
 
     async def run(self) -> None:
         """Drain the inbox, then launch a step if none is in flight."""
@@ -62,6 +65,7 @@ class SchedulerActor(Actor):
                     break
                 message = self.inbox.get_nowait()
             self._maybe_launch_step()
+            self._report_queue_load()
 
     async def handle(self, message) -> None:
         if isinstance(message, TokenizedRequest):
@@ -85,8 +89,7 @@ class SchedulerActor(Actor):
         request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
                           arrival_time=message.arrival_time, priority=message.priority,
                           eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
-        if self.in_transit is not None:
-            self.in_transit.remove(len(message.prompt_token_ids))
+        self._queued = (self._queued[0] + 1, self._queued[1] + len(message.prompt_token_ids))
         self.core.add_request(request)
         if self.observer is not None:
             self.observer.on_queued(message.request_id, message.parent_id, message.arrival_time,
@@ -106,6 +109,13 @@ class SchedulerActor(Actor):
             for update in updates or []:
                 self.observer.on_update(update, emitted=False)
         self._refresh_load()
+
+    def _report_queue_load(self) -> None:
+        """Tell admission the waiting queue's load when it changed."""
+        load = QueueLoad(self.core.num_waiting, self.core.num_waiting_tokens, *self._queued)
+        if self.admission is not None and load != self._reported:
+            self._reported = load
+            self.admission.send(load)
 
     def _maybe_launch_step(self) -> None:
         if self._in_flight or not self.core.has_unfinished_requests():
