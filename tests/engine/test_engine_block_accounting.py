@@ -4,6 +4,7 @@ aborted while decoding (n=3), or finished by a stop string."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -25,14 +26,18 @@ def test_abort_during_chunked_prefill_frees_blocks(budget16_engine):
 
     async def scenario():
         task = asyncio.ensure_future(engine.agenerate(prompt, greedy(8), "abort-prefill"))
+        deadline = time.monotonic() + 60
         while True:
             request = engine.scheduler.get_request("abort-prefill")
             if request is not None and request.num_computed_tokens >= 64:
                 break
+            assert time.monotonic() < deadline, "the prefill never reached 64 tokens"
             await asyncio.sleep(0.005)
         assert request.num_computed_tokens < len(prompt)
         await engine.engine.abort("abort-prefill")
-        await asyncio.sleep(0.2)
+        while engine.scheduler.get_request("abort-prefill") is not None:  # freed at its step
+            assert time.monotonic() < deadline + 30, "the aborted request was never finished"
+            await asyncio.sleep(0.005)
         task.cancel()
 
     engine.run(scenario())

@@ -5,6 +5,7 @@ output."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -106,8 +107,10 @@ def test_budget_16_output_equals_unchunked(budget16_engine, default_engine):
     async def scenario(engine):
         """Start the short request, wait until it decodes, then send the long one."""
         short_task = asyncio.ensure_future(engine.agenerate(short_prompt, short_params))
+        deadline = time.monotonic() + 60
         while not engine.scheduler.requests or any(
                 r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+            assert time.monotonic() < deadline, "the short request never decoded"
             await asyncio.sleep(0.005)
         long_result = await engine.agenerate(long_prompt, long_params)
         return long_result, await short_task

@@ -81,8 +81,21 @@ def run(server: LiveServer):
     with httpx.Client(base_url=server.base_url, timeout=180) as client:
         client_ttfts = [stream_one(client, rid) for rid in ids]
     after = wait_idle(server.base_url)
-    time.sleep(1.5)  # one more engine_stats interval
+    wait_for_stats_line(server)
     return before, after, ids, client_ttfts
+
+
+def wait_for_stats_line(server: LiveServer, timeout: float = 15.0) -> None:
+    """Until an ``engine_stats`` line follows the last ``request_finished``
+    in the server's log (one stats interval later), or the deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        names = [e.get("event") for e in _events(server)]
+        last_finished = max((i for i, n in enumerate(names) if n == "request_finished"),
+                            default=-1)
+        if "engine_stats" in names[last_finished + 1:]:
+            return
+        time.sleep(0.1)
 
 
 def test_metrics_after_streamed_requests(server, run):
