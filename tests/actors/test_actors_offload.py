@@ -13,7 +13,7 @@ import pytest
 
 from kvserve.actors import tokenizer as tokenizer_module
 from kvserve.actors.detokenizer import DetokenizerActor
-from kvserve.actors.messages import GenerateRequest, RequestFailed, TokenDelta, TokenizedRequest
+from kvserve.actors.messages import GenerateRequest, TokenDelta, TokenizedRequest
 from kvserve.actors.registry import StreamRegistry
 from kvserve.actors.tokenizer import TokenizerActor
 from kvserve.core.sampling_params import SamplingParams

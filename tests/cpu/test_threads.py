@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import numba
-import numpy as np
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
