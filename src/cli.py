@@ -53,6 +53,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="target milliseconds per step: each step's token budget is sized from "
                         "the measured cost per token so that long prompts are prefilled in "
                         "chunks that keep inter-token latency near it (default: off)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule step N+1 while step N computes (two steps in flight); a "
+                        "request that stops may compute one token more, which is dropped "
+                        "(default: on)")
     p.add_argument("--max-model-len", type=POSITIVE_INT, default=None,
                    help="longest prompt + output in tokens (default: the model's)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -90,7 +94,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len or 1 << 30, policy=args.scheduling_policy,
         priority_aging_seconds=args.priority_aging_seconds,
         max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
-        max_step_seconds=args.max_step_ms / 1000 if args.max_step_ms else None)
+        max_step_seconds=args.max_step_ms / 1000 if args.max_step_ms else None,
+        async_scheduling=args.async_scheduling)
     cache = CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                         enable_prefix_caching=args.enable_prefix_caching)
     return EngineConfig(model=model, backend=args.backend, cache=cache, scheduler=scheduler,

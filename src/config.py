@@ -106,6 +106,8 @@ class SchedulerConfig:
     ``max_model_len`` the longest prompt + output a request may reach.
     ``max_step_seconds`` (``--max-step-ms``), when set, lowers each step's
     budget so that a step takes about that long (``core.step_budget``).
+    ``async_scheduling`` (``--async-scheduling``, vLLM's flag) schedules step
+    N+1 while step N computes: two steps in flight instead of one.
     """
 
     max_num_batched_tokens: int = 2048
@@ -116,6 +118,12 @@ class SchedulerConfig:
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
     max_step_seconds: float | None = None
+    async_scheduling: bool = True
+
+    @property
+    def max_steps_in_flight(self) -> int:
+        """Steps scheduled and not yet returned: 2 with async scheduling, else 1."""
+        return 2 if self.async_scheduling else 1
 
     def __post_init__(self) -> None:
         if self.max_step_seconds is not None and not self.max_step_seconds > 0:

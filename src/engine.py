@@ -103,9 +103,11 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     step_ms = None if sched.max_step_seconds is None else round(sched.max_step_seconds * 1000, 1)
     log.info("scheduler_config", message=f"Step budget: {sched.max_num_batched_tokens} tokens"
              + (f", step-time target {step_ms} ms" if step_ms else "")
-             + f", at most {sched.max_num_seqs} sequences, {sched.policy} policy",
+             + f", at most {sched.max_num_seqs} sequences, {sched.policy} policy, "
+             + f"{sched.max_steps_in_flight} step(s) in flight",
              max_num_batched_tokens=sched.max_num_batched_tokens, max_step_ms=step_ms,
-             max_num_seqs=sched.max_num_seqs, policy=sched.policy)
+             max_num_seqs=sched.max_num_seqs, policy=sched.policy,
+             async_scheduling=sched.async_scheduling)
     log.info("engine_loaded", model=str(path), backend=config.backend,
              weights_bytes=weights_bytes, seconds=round(time.monotonic() - t0, 3))
     return EngineCore(config, model_config, tokenizer, runner, scheduler, plan, max_len)

@@ -1,8 +1,10 @@
-"""SchedulerActor: the async shell around ``core.Scheduler``; one step in flight."""
+"""SchedulerActor: the async shell around ``core.Scheduler``; up to two steps in flight."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
 
 from kvserve.actors.base import Actor
 from kvserve.actors.messages import (
@@ -20,14 +22,26 @@ from kvserve.core.stats import StepTimes
 from kvserve.core.step_budget import StepBudget
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """A step sent to the worker and not returned yet."""
+
+    output: SchedulerOutput
+    schedule_seconds: float
+
+
 class SchedulerActor(Actor):
-    """Feeds the worker one step at a time and reports token deltas.
+    """Feeds the worker steps and reports token deltas.
 
     Its inbox takes ``TokenizedRequest`` (add), ``AbortRequest`` (finish
     early) and ``StepResult`` (the worker finished a step). After draining
-    the inbox, if no step is in flight and work remains, it schedules the
-    next step: the batch is rebuilt after every forward pass (iteration-level
-    scheduling, Yu et al., Orca, OSDI 2022).
+    the inbox it schedules steps while fewer than
+    ``SchedulerConfig.max_steps_in_flight`` are in flight and work remains:
+    the batch is rebuilt every step (iteration-level scheduling, Yu et al.,
+    Orca, OSDI 2022). With async scheduling (two in flight) the worker finds
+    step N+1 waiting when step N ends, so scheduling, emitting and
+    detokenizing overlap the forward pass; the core scheduler's docstring
+    states the invariant that keeps this exact.
     """
 
     name = "scheduler"
@@ -40,8 +54,8 @@ class SchedulerActor(Actor):
         self.max_model_len = max_model_len
         self.worker: Actor | None = None
         self.detokenizer: Actor | None = None
-        self._in_flight = False
-        self._schedule_seconds = 0.0  # of the step in flight
+        self._in_flight: deque[_InFlight] = deque()  # oldest first, as the worker runs them
+        self.max_in_flight = scheduler.config.max_steps_in_flight
         self.budget = StepBudget(scheduler.config.max_step_seconds,
                                  scheduler.config.max_num_batched_tokens)
         self.total_preemptions = 0
@@ -118,20 +132,21 @@ class SchedulerActor(Actor):
             self.admission.send(load)
 
     def _maybe_launch_step(self) -> None:
-        if self._in_flight or not self.core.has_unfinished_requests():
-            return
-        t0 = time.perf_counter()
-        output = self.core.schedule(self.budget.tokens(self.core.num_running))
-        self._schedule_seconds = time.perf_counter() - t0
-        if self.observer is not None:
-            self.observer.on_schedule(output, self.core.num_running, self.core.num_waiting,
-                                      self.core.kv_cache_manager.usage)
-        self._report_scheduling(output)
-        if output.is_empty:
-            return
-        self._in_flight = True
-        assert self.worker is not None
-        self.worker.send(ExecuteStep(output.step_id, output))
+        """Schedule and send steps until the in-flight limit or no work."""
+        while (len(self._in_flight) < self.max_in_flight
+               and self.core.has_unfinished_requests()):
+            t0 = time.perf_counter()
+            output = self.core.schedule(self.budget.tokens(self.core.num_running))
+            schedule_seconds = time.perf_counter() - t0
+            if self.observer is not None:
+                self.observer.on_schedule(output, self.core.num_running, self.core.num_waiting,
+                                          self.core.kv_cache_manager.usage)
+            self._report_scheduling(output)
+            if output.is_empty:
+                return
+            self._in_flight.append(_InFlight(output, schedule_seconds))
+            assert self.worker is not None
+            self.worker.send(ExecuteStep(output.step_id, output))
 
     def _report_scheduling(self, output: SchedulerOutput) -> None:
         self._emit(output.rejected)
@@ -157,8 +172,11 @@ class SchedulerActor(Actor):
                     f"({event.hit_tokens:,} did)")
 
     def _on_step_result(self, result: StepResult) -> None:
-        self._in_flight = False
+        step = self._in_flight.popleft()
         output: SchedulerOutput = result.scheduler_output
+        if step.output.step_id != output.step_id:
+            raise RuntimeError(f"step {output.step_id} returned, step {step.output.step_id} "
+                               "expected: the worker runs steps in order")
         t0 = time.perf_counter()
         runner_output = result.runner_output
         if result.error is not None:
@@ -170,14 +188,15 @@ class SchedulerActor(Actor):
             self.budget.observe(output.num_batched_tokens, runner_output.forward_seconds)
         if self.observer is not None:
             self.observer.on_step(output, result.start, result.end,
-                                  self._step_times(runner_output, time.perf_counter() - t0))
+                                  self._step_times(step, runner_output, time.perf_counter() - t0))
         self._refresh_load()
 
-    def _step_times(self, runner_output, emit_seconds: float) -> StepTimes:
+    @staticmethod
+    def _step_times(step: _InFlight, runner_output, emit_seconds: float) -> StepTimes:
         """The phases of the step just finished (the runner's are 0 if it failed)."""
         if runner_output is None:
-            return StepTimes(schedule=self._schedule_seconds, emit=emit_seconds)
-        return StepTimes(schedule=self._schedule_seconds,
+            return StepTimes(schedule=step.schedule_seconds, emit=emit_seconds)
+        return StepTimes(schedule=step.schedule_seconds,
                          prepare=runner_output.prepare_seconds,
                          forward=runner_output.forward_seconds,
                          sample=runner_output.sample_seconds, emit=emit_seconds)
@@ -189,10 +208,14 @@ class SchedulerActor(Actor):
                                    self.core.kv_cache_manager.usage)
 
     def _fail_step(self, output: SchedulerOutput, error: str) -> None:
-        """A step raised: fail exactly its requests, forget the prefix-cache
-        hashes of the blocks it was writing, and carry on."""
+        """A step raised: fail its requests, and those of the step in flight
+        behind it that read its blocks through a prefix-cache hit; forget the
+        prefix-cache hashes of the blocks it was writing; carry on."""
         self.core.kv_cache_manager.evict_hashes(output.written_block_ids)
         ids = tuple(r.request_id for r in output.scheduled)
+        ids += tuple(rid for later in self._in_flight
+                     for rid in _hits_on(later.output, output.written_block_ids,
+                                         self.core.block_size))
         updates = self.core.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         self.log.error("step_failed", step_id=output.step_id, error=error, request_ids=list(ids))
         self._emit(updates, error=error)
@@ -223,6 +246,16 @@ class SchedulerActor(Actor):
                               output_tokens=update.num_output_tokens,
                               cached_tokens=max(update.num_cached_tokens, 0),
                               preemptions=update.num_preemptions)
+
+
+def _hits_on(output: SchedulerOutput, block_ids: tuple[int, ...], block_size: int) -> list[str]:
+    """Requests first scheduled in ``output`` whose prefix-cache hit includes
+    one of ``block_ids``."""
+    blocks = set(block_ids)
+    hits = {new.request_id: new.num_cached_tokens // block_size for new in output.new_requests}
+    return [chunk.request_id for chunk in output.scheduled
+            if hits.get(chunk.request_id) and blocks.intersection(
+                chunk.new_block_ids[:hits[chunk.request_id]])]
 
 
 def _as_tuple(entries) -> tuple | None:

@@ -481,7 +481,7 @@ class KVCacheManager:
         """Register (hash) the request's blocks that are full within its first
         ``num_tokens`` tokens (default: ``request.num_computed_tokens``; the
         scheduler passes the count computed by the end of the step it is
-        building) and not registered yet."""
+        building), whose token ids are known, and not registered yet."""
         if not self.enable_prefix_caching:
             return
         blocks = self.req_to_blocks.get(request.request_id)
@@ -494,6 +494,11 @@ class KVCacheManager:
         if num_full <= start:
             return
         self.update_block_hashes(request)
+        # A block whose tokens a step in flight has yet to sample has no hash
+        # yet: it is registered when they come back (async scheduling).
+        num_full = min(num_full, len(request.block_hashes))
+        if num_full <= start:
+            return
         for index in range(start, num_full):
             self.pool.cache_full_block(blocks[index], request.block_hashes[index],
                                        self._block_content(request, index))

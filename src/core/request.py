@@ -78,7 +78,13 @@ class Request:
     Mutable state, owned by the scheduler:
 
     - ``status`` (``RequestStatus``), ``output_token_ids`` (generated tokens).
-    - ``num_computed_tokens``: tokens whose K/V are in the KV cache (tokens).
+    - ``num_computed_tokens``: tokens whose K/V are in the KV cache or being
+      computed by a step already scheduled (the scheduler advances it when it
+      schedules, as vLLM V1 does, so the next step can be scheduled while
+      this one computes).
+    - ``num_output_placeholders``: tokens that scheduled steps will sample
+      but that have not come back yet (async scheduling); the scheduler
+      counts them as known when it plans the next chunk.
     - ``num_cached_tokens``: prefix-cache hit tokens at first scheduling
       (-1 before the first scheduling).
     - ``num_preemptions``: times preempted (by recompute).
@@ -110,6 +116,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = prompt
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
@@ -130,6 +137,11 @@ class Request:
     def num_tokens(self) -> int:
         """Number of known tokens: prompt + output."""
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those that steps in flight will sample."""
+        return len(self._all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

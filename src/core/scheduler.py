@@ -8,10 +8,28 @@ prefill phase: every step gives each request enough tokens for its computed
 count to catch up with its known count, within the token budget
 ``max_num_batched_tokens`` and ``max_num_seqs``.
 
-Protocol (one step in flight): ``schedule()`` -> the runner computes the
-``SchedulerOutput`` -> ``update_from_output()`` with the sampled tokens ->
-``schedule()`` for the next step. ``add_request`` and ``finish_requests``
-may be called between any two of these calls.
+Protocol: ``schedule()`` -> the runner computes the ``SchedulerOutput`` ->
+``update_from_output()`` with the sampled tokens, in step order. At most two
+steps may be in flight (async scheduling, vLLM V1's ``--async-scheduling``):
+step N+1 may be scheduled before step N's ``update_from_output``.
+``add_request`` and ``finish_requests`` may be called between any two calls.
+
+The invariant that makes this work: ``schedule()`` advances each scheduled
+request's ``num_computed_tokens`` at once, and counts each token the step
+will sample as a placeholder (``Request.num_output_placeholders``), so the
+next step schedules the decode of a token the scheduler does not know yet;
+the runner, which sampled it, supplies its id. ``update_from_output``
+replaces placeholders with the sampled tokens. A request that stops (EOS, a
+stop token or string, an abort) while a later step holds it is finished at
+once and its blocks freed; that later step's token for it is dropped, never
+emitted. A request is not scheduled again once the tokens in flight will
+reach its ``max_tokens`` or ``max_model_len``. A preempted request drops
+its placeholder but keeps the token that the step in flight samples for it
+(computed from its state before the preemption, so it is its next token; it
+may also stop it); it must not run again before that token is back -- true
+with at most two steps in flight: the step that preempts it is scheduled
+while only the step before holds it, and the next ``schedule()`` comes after
+that one returned.
 """
 
 from __future__ import annotations
@@ -159,8 +177,16 @@ class Scheduler:
         if not step.preemptions or self.config.policy == "priority":
             self._schedule_waiting(step)
         output = self._build_output(step, stats.queries - queries, stats.hits - hits)
+        self._advance(output)
         self._step_id += 1
         return output
+
+    def _advance(self, output: SchedulerOutput) -> None:
+        """Count the step's tokens as computed and its samples as placeholders."""
+        for chunk in output.scheduled:
+            request = self.requests[chunk.request_id]
+            request.num_computed_tokens += chunk.num_tokens
+            request.num_output_placeholders += chunk.sample
 
     def _schedule_running(self, step: _Step) -> None:
         decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
@@ -181,9 +207,9 @@ class Scheduler:
         better priority) and may fit in the blocks just freed.
         """
         limit = request.max_model_len or self.config.max_model_len
-        num_new = min(request.num_tokens - request.num_computed_tokens, step.budget,
-                      limit - request.num_computed_tokens)
-        if num_new <= 0:
+        num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens,
+                      step.budget, limit - request.num_computed_tokens)
+        if num_new <= 0 or _ends_in_flight(request, limit):
             return True
         while self.kv_cache_manager.allocate_slots(request, num_new) is None:
             victim = self._pick_victim()
@@ -234,6 +260,7 @@ class Scheduler:
         self._blocks_sent.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # the tokens in flight for it are dropped
         request.num_preemptions += 1
         self.waiting.prepend(request)
         self._finished_ids[request.request_id] = None
@@ -348,7 +375,7 @@ class Scheduler:
         return ScheduledRequest(
             request_id=request_id, num_tokens=num_new, start_position=start,
             new_block_ids=tuple(manager.get_block_ids(request_id, sent)),
-            sample=start + num_new == request.num_tokens, is_new=is_new)
+            sample=start + num_new == request.num_tokens_with_placeholders, is_new=is_new)
 
     def _is_decode(self, scheduled: ScheduledRequest) -> bool:
         request = self.requests[scheduled.request_id]
@@ -359,27 +386,30 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled: Mapping[str, Sequence[int]]) -> list[RequestUpdate]:
-        """Apply the runner's results of ``scheduler_output``.
+        """Apply the runner's results of ``scheduler_output`` (steps in order).
 
-        For every scheduled request still live: advance
-        ``num_computed_tokens`` by its scheduled tokens, register newly full
-        computed blocks in the prefix cache, and -- if it sampled -- append
-        ``sampled[request_id]`` (token ids) one by one until a stop condition,
-        finishing and freeing it then. Requests finished or aborted since the
-        schedule are skipped. A sampling request missing from ``sampled``
-        finishes with an error. Returns an update per request that got tokens
-        or finished, in scheduled order.
+        For every request that sampled in it and is still live: replace one
+        placeholder by ``sampled[request_id]`` (token ids), appended one by
+        one until a stop condition, finishing and freeing it then; register
+        the blocks that became full and known in the prefix cache. Requests
+        finished or aborted since the schedule are skipped: their tokens are
+        dropped. A request preempted since keeps its token (see the module
+        docstring). A sampling request missing from ``sampled`` finishes with
+        an error. Returns an update per request that got tokens or finished,
+        in scheduled order.
         """
         updates = []
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
-            if (request is None or request.status is not RequestStatus.RUNNING
-                    or request.num_computed_tokens != scheduled.start_position):
+            if not scheduled.sample or request is None:
                 continue
-            request.num_computed_tokens += scheduled.num_tokens
-            self.kv_cache_manager.cache_computed_blocks(request)
-            if scheduled.sample:
-                updates.append(self._apply_sampled(request, sampled.get(request.request_id)))
+            running = request.status is RequestStatus.RUNNING
+            if running:
+                request.num_output_placeholders -= 1
+            update = self._apply_sampled(request, sampled.get(request.request_id))
+            if running and update.finish_reason is None:
+                self.kv_cache_manager.cache_computed_blocks(request)
+            updates.append(update)
         return updates
 
     def _apply_sampled(self, request: Request, token_ids: Sequence[int] | None) -> RequestUpdate:
@@ -402,8 +432,24 @@ class Scheduler:
 
     def _finish_running(self, request: Request, status: RequestStatus, error: str | None,
                         new_token_ids: Sequence[int]) -> RequestUpdate:
-        self.running.remove(request)
+        """Finish a running request (or a preempted one that stopped on the
+        token a step in flight sampled for it)."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove([request.request_id])
         return self._finish(request, status, error, new_token_ids)
+
+
+def _ends_in_flight(request: Request, limit: int) -> bool:
+    """True when the tokens in flight will reach ``max_tokens`` or ``limit``
+    (tokens), so scheduling another would only compute a token to drop."""
+    if not request.num_output_placeholders:
+        return False
+    max_tokens = request.sampling_params.max_tokens
+    num_output = request.num_output_tokens + request.num_output_placeholders
+    return ((max_tokens is not None and num_output >= max_tokens)
+            or request.num_tokens_with_placeholders >= limit)
 
 
 def _stop_token(request: Request) -> int | None:

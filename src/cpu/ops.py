@@ -9,6 +9,8 @@ for exactly one type signature; the checks cost O(1) or O(metadata) per call.
 
 from __future__ import annotations
 
+import threading
+
 import numba
 import numpy as np
 
@@ -89,6 +91,10 @@ def _inplace(a: np.ndarray, name: str) -> tuple[np.ndarray, bool]:
     return np.ascontiguousarray(a), True
 
 
+#: Held around every Numba parallel region (see ``CpuOps._attention_kernel``).
+_PARALLEL_REGION = threading.Lock()
+
+
 class CpuOps:
     """NumPy + Numba implementation of :class:`kvserve.model.ops.Ops` (float32).
 
@@ -107,8 +113,8 @@ class CpuOps:
     [1, NUMBA_NUM_THREADS].
 
     Thread safety: Numba kernels release the GIL; the parallel attention
-    kernel uses Numba's threading layer and should be called from one thread
-    at a time (the worker thread).
+    kernel uses Numba's threading layer, which runs one caller at a time per
+    process (a lock serializes the workers of two engines in one process).
     """
 
     name = "cpu"
@@ -302,8 +308,7 @@ class CpuOps:
         n_new = np.diff(qsl)
         long = n_new >= self.prefill_min_queries
         if not long.any():
-            kernels.paged_attention_kernel(qq, kv_cache, bt, sl, qsl, np.float32(scale),
-                                           self.tile_q, self._threads(), out)
+            self._attention_kernel(qq, kv_cache, bt, sl, qsl, scale, out)
             return out
         _check_prefill_metadata(bt, sl, qsl, T, kv_cache.shape[0], kv_cache.shape[2])
         for s in np.flatnonzero(long):
@@ -325,11 +330,19 @@ class CpuOps:
         sub_qsl = np.zeros(len(seqs) + 1, np.int32)
         np.cumsum(np.diff(qsl)[seqs], out=sub_qsl[1:])
         sub_out = np.zeros((len(rows),) + q.shape[1:], _F32)
-        kernels.paged_attention_kernel(np.ascontiguousarray(q[rows]), kv_cache,
-                                       np.ascontiguousarray(bt[seqs]),
-                                       np.ascontiguousarray(sl[seqs]), sub_qsl,
-                                       np.float32(scale), self.tile_q, self._threads(), sub_out)
+        self._attention_kernel(np.ascontiguousarray(q[rows]), kv_cache,
+                               np.ascontiguousarray(bt[seqs]), np.ascontiguousarray(sl[seqs]),
+                               sub_qsl, scale, sub_out)
         out[rows] = sub_out
+
+    def _attention_kernel(self, q: np.ndarray, kv_cache: np.ndarray, bt: np.ndarray,
+                          sl: np.ndarray, qsl: np.ndarray, scale: float, out: np.ndarray) -> None:
+        """The parallel Numba kernel, one caller at a time in the process:
+        the workqueue threading layer aborts the process when two threads
+        (two engines' workers) enter parallel regions at once."""
+        with _PARALLEL_REGION:
+            kernels.paged_attention_kernel(q, kv_cache, bt, sl, qsl, np.float32(scale),
+                                           self.tile_q, self._threads(), out)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_dim: int) -> np.ndarray:

@@ -15,7 +15,7 @@ needs more rows, tokens or blocks than they hold.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,14 +96,17 @@ class InputBatch:
         self.append_tokens(request_id, token_ids)
         self.append_blocks(request_id, block_ids)
 
-    def apply(self, scheduler_output: SchedulerOutput) -> None:
+    def apply(self, scheduler_output: SchedulerOutput, skip: Collection[str] = ()) -> None:
         """Apply one step's deltas: drop finished (and preempted) requests,
         add new and resumed ones (prompt + earlier outputs, whole table),
-        append the blocks the others got."""
+        append the blocks the others got. Chunks of the ``skip`` ids (requests
+        of a failed step) are ignored."""
         for request_id in scheduler_output.finished_request_ids:
             self.remove(request_id)
         new = {n.request_id: n for n in scheduler_output.new_requests}
         for chunk in scheduler_output.scheduled:
+            if chunk.request_id in skip:
+                continue
             data = new.get(chunk.request_id)
             if data is None:
                 self.append_blocks(chunk.request_id, chunk.new_block_ids)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kvserve.config import ModelConfig
-from kvserve.core.outputs import SchedulerOutput
+from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.model.input_batch import BatchInputs, InputBatch
 from kvserve.model.llama import AttentionMetadata, LlamaModel
 from kvserve.model.ops import Ops
@@ -81,20 +81,33 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
         self.input_batch = InputBatch(block_size)
         self._generator = np.random.default_rng(seed)
+        #: Requests of a failed step: the step scheduled behind it (async
+        #: scheduling) may still hold them; they are skipped until the
+        #: scheduler reports them finished.
+        self._failed: set[str] = set()
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: update request states, forward, sample.
 
-        Raises whatever the backend raises; the worker turns that into a
-        failed step for exactly the requests in it.
+        Raises whatever the backend raises, after dropping the state of the
+        step's requests (their rows may be half-updated); the worker turns
+        that into a failed step for exactly the requests in it.
         """
+        try:
+            return self._execute(scheduler_output)
+        except Exception:
+            self._drop_failed(scheduler_output)
+            raise
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t_start = time.perf_counter()
         self._update_states(scheduler_output)
-        if not scheduler_output.scheduled:
+        scheduled = [c for c in scheduler_output.scheduled if c.request_id not in self._failed]
+        if not scheduled:
             return ModelRunnerOutput()
-        batch = self.input_batch.build(scheduler_output.scheduled)
+        batch = self.input_batch.build(scheduled)
         num_sampled = len(batch.sample_ids)
-        prompt_rows = self._prompt_logprob_rows(scheduler_output, batch)
+        prompt_rows = self._prompt_logprob_rows(scheduled, batch)
         if prompt_rows:
             extra = np.concatenate([rows for _, rows, _ in prompt_rows])
             batch = replace(batch, logits_indices=np.concatenate([batch.logits_indices, extra]))
@@ -108,7 +121,7 @@ class ModelRunner:
         output.forward_seconds, output.sample_seconds = t1 - t0, time.perf_counter() - t1
         return output
 
-    def _prompt_logprob_rows(self, scheduler_output: SchedulerOutput, batch: BatchInputs
+    def _prompt_logprob_rows(self, scheduled: list[ScheduledRequest], batch: BatchInputs
                              ) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """``(request id, batch rows, target token ids)`` of the prompt positions
         whose logits score the next prompt token, for requests gathering
@@ -116,7 +129,7 @@ class ModelRunner:
         j + 1 < the prompt length (the last prompt position is the sampled row).
         """
         out = []
-        for s, chunk in enumerate(scheduler_output.scheduled):
+        for s, chunk in enumerate(scheduled):
             state = self.states.get(chunk.request_id)
             if state is None or state.prompt_logprobs is None:
                 continue
@@ -155,9 +168,18 @@ class ModelRunner:
         """float32[R, V] host logits of backend hidden states [R, H]."""
         return np.asarray(self.ops.to_numpy(self.model.compute_logits(hidden)), dtype=np.float32)
 
+    def _drop_failed(self, scheduler_output: SchedulerOutput) -> None:
+        """Forget the requests of a step that raised."""
+        for chunk in scheduler_output.scheduled:
+            self._failed.add(chunk.request_id)
+            self.input_batch.remove(chunk.request_id)
+            self.states.pop(chunk.request_id, None)
+
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the step's deltas to the input batch and the sampling states."""
-        self.input_batch.apply(scheduler_output)
+        self._failed.difference_update(scheduler_output.finished_request_ids)
+        self._failed.difference_update(n.request_id for n in scheduler_output.new_requests)
+        self.input_batch.apply(scheduler_output, skip=self._failed)
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
         for new in scheduler_output.new_requests:

@@ -76,3 +76,20 @@ def test_stop_string_frees_blocks(default_engine):
     assert stop not in stopped.text
     assert full.text.startswith(stopped.text)
     engine.assert_all_blocks_free()
+
+
+def test_a_stop_token_with_the_next_step_in_flight_streams_nothing_extra(default_engine):
+    """Async scheduling: the step after the stop token is already scheduled
+    when the token comes back; its extra token is dropped, the stream ends
+    at the stop token, and every block is free."""
+    engine = default_engine
+    prompt = engine.encode("Stop token. " + TEXTS["repeat"])
+    full = engine.generate(prompt, greedy(8, ignore_eos=True)).only
+    stop_token = full.token_ids[2]
+    with engine.record_steps() as steps:
+        stopped = engine.generate(prompt, greedy(8, ignore_eos=True,
+                                                 stop_token_ids=(stop_token,))).only
+    assert stopped.token_ids == full.token_ids[:3] and stopped.finish_reason == "stop"
+    holding = [s for s in steps for c in s.scheduled if c.sample]
+    assert len(holding) == 4, "the step behind the stop token was not scheduled"
+    engine.assert_all_blocks_free()

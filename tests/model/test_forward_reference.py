@@ -16,6 +16,7 @@ fault of ``tools/mutation_check.py`` is above 1e-3).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -141,21 +142,29 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def serve(runner: ModelRunner, scheduler, requests: list[Request],
-          max_steps: int = 500) -> dict[str, list]:
-    """Drive schedule -> execute -> update until every request finished.
+          max_steps: int = 500, in_flight: int = 2) -> dict[str, list]:
+    """Drive schedule -> execute -> update until every request finished, with
+    up to ``in_flight`` steps scheduled ahead of the one executing (2: async
+    scheduling, the engine's default).
 
     Returns request id -> the logprob entries of its sampled tokens, in order.
     """
     entries: dict[str, list] = {r.request_id: [] for r in requests}
     for request in requests:
         scheduler.add_request(request)
+    pending = deque()
     for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests():
+        while len(pending) < in_flight and scheduler.has_unfinished_requests():
+            output = scheduler.schedule()
+            if output.is_empty:
+                break
+            pending.append(output)
+        if not pending:
             return entries
-        output = scheduler.schedule()
+        output = pending.popleft()
         result = runner.execute(output)
         for request_id, got in result.logprobs.items():
-            entries[request_id] += got
+            entries.setdefault(request_id, []).extend(got)
         scheduler.update_from_output(output, result.sampled)
     raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
@@ -192,7 +201,8 @@ def make_runner(config, weights, ops, num_blocks: int, block_size: int,
     return runner, scheduler
 
 
-def test_runner_chunked_prefill_and_mixed_batch(tiny, ops):
+@pytest.mark.parametrize("in_flight", [1, 2], ids=["sync", "async"])
+def test_runner_chunked_prefill_and_mixed_batch(tiny, ops, in_flight):
     """A token budget of 7 splits every prompt into chunks that share steps
     with other requests' decodes; one request runs to the last position."""
     spec, config, weights = tiny
@@ -202,7 +212,7 @@ def test_runner_chunked_prefill_and_mixed_batch(tiny, ops):
     lengths = [(3, 6), (19, 4), (max_pos - 5, 5), (1, 3)]
     requests = [Request(f"r{i}", rng.integers(0, config.vocab_size, p).tolist(), greedy(n))
                 for i, (p, n) in enumerate(lengths)]
-    entries = serve(runner, scheduler, requests)
+    entries = serve(runner, scheduler, requests, in_flight=in_flight)
     for request in requests:
         check_against_reference(weights, config, request, entries[request.request_id])
 
@@ -268,3 +278,35 @@ def test_runner_prompt_logprobs_in_bounded_blocks(tiny, ops, monkeypatch):
         scale = np.abs(ref[j]).max()
         assert abs(value - ref[j, prompt[j + 1]]) <= REL_TOL * scale, j
         assert [t for t, _ in top] == list(np.argsort(-ref[j], kind="stable")[:3]), j
+
+
+def test_runner_skips_a_failed_steps_requests_in_the_step_behind_it(tiny, ops, monkeypatch):
+    """Step N raises while step N+1 (async scheduling) already holds its
+    requests: the runner drops their state and runs N+1 for the others,
+    whose logits still equal the reference's."""
+    from kvserve.core.request import RequestStatus
+
+    spec, config, weights = tiny
+    runner, scheduler = make_runner(config, weights, ops, num_blocks=64, block_size=4, budget=64)
+    rng = np.random.default_rng(400 + spec.seed)
+    doomed = Request("doomed", rng.integers(0, config.vocab_size, 9).tolist(), greedy(4))
+    scheduler.add_request(doomed)
+    failing = scheduler.schedule()
+    survivor = Request("survivor", rng.integers(0, config.vocab_size, 7).tolist(), greedy(4))
+    scheduler.add_request(survivor)
+    behind = scheduler.schedule()  # holds doomed's decode and survivor's prompt
+    assert {s.request_id for s in behind.scheduled} == {"doomed", "survivor"}
+
+    forward = runner._forward
+    monkeypatch.setattr(runner, "_forward", lambda batch: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        runner.execute(failing)
+    monkeypatch.setattr(runner, "_forward", forward)
+    scheduler.finish_requests([s.request_id for s in failing.scheduled],
+                              RequestStatus.FINISHED_ERROR)  # as the scheduler actor does
+    result = runner.execute(behind)
+    assert set(result.sampled) == {"survivor"}
+    scheduler.update_from_output(behind, result.sampled)
+    entries = result.logprobs["survivor"] + serve(runner, scheduler, [])["survivor"]
+    check_against_reference(weights, config, survivor, entries)
+    assert "doomed" not in runner.states and "doomed" not in runner.input_batch
