@@ -15,7 +15,8 @@ from pathlib import Path
 
 import structlog
 
-from kvserve.actors.admission import AdmissionActor, AdmissionLimits
+from kvserve.actors.admission import AdmissionActor
+from kvserve.core.admission_queue import AdmissionLimits, AdmissionQueue
 from kvserve.actors.detokenizer import DetokenizerActor
 from kvserve.actors.messages import AbortRequest, GenerateRequest, RequestFailed
 from kvserve.actors.registry import StreamRegistry, child_request_ids
@@ -150,20 +151,24 @@ class AsyncEngine:
                                      core.scheduler.config.max_num_batched_tokens)
         self.observer = StatsObserver(self.metrics)
         self._stats_task: asyncio.Task[None] | None = None
-        self.scheduler = SchedulerActor(core.scheduler, core.model_config.eos_token_ids,
-                                        core.max_model_len)
+        self.scheduler = SchedulerActor(core.scheduler)
         self.scheduler.observer = self.observer
         self.worker = WorkerActor(core.runner, self.scheduler)
         self.detokenizer = DetokenizerActor(core.tokenizer, self.streams)
-        self.admission = AdmissionActor(
-            self.streams, self.scheduler, self.detokenizer,
-            admission or AdmissionLimits(policy=core.config.scheduler.policy))
+        sched = core.scheduler.config
+        queue = AdmissionQueue(
+            admission or AdmissionLimits(policy=sched.policy,
+                                         priority_aging_seconds=sched.priority_aging_seconds),
+            core.scheduler.block_size, sched.max_num_batched_tokens)
+        self.admission = AdmissionActor(self.streams, self.scheduler, self.detokenizer, queue,
+                                        core.model_config.eos_token_ids, core.max_model_len)
+        self.admission.observer = self.observer
         self.scheduler.admission = self.admission
         self.tokenizer_actor = TokenizerActor(core.tokenizer, core.max_model_len, self.streams,
                                               self.admission)
         self.scheduler.worker = self.worker
         self.scheduler.detokenizer = self.detokenizer
-        self.detokenizer.scheduler = self.scheduler
+        self.detokenizer.admission = self.admission
         self._actors = [self.tokenizer_actor, self.admission, self.scheduler, self.worker,
                         self.detokenizer]
         self._ready = False
@@ -180,7 +185,8 @@ class AsyncEngine:
         core = await asyncio.to_thread(build_engine_core, config)
         sched = config.scheduler
         limits = AdmissionLimits(policy=sched.policy, max_waiting_requests=sched.max_waiting_requests,
-                                 max_waiting_tokens=sched.max_waiting_tokens)
+                                 max_waiting_tokens=sched.max_waiting_tokens,
+                                 priority_aging_seconds=sched.priority_aging_seconds)
         engine = cls(core, model_name, limits, request_timeout, stats_interval, log_prompts)
         engine.start_actors()
         return engine
@@ -196,7 +202,7 @@ class AsyncEngine:
     def log_stats(self, force: bool = False) -> dict | None:
         """Write one ``engine_stats`` line now (see ``StatsObserver.log_stats``)."""
         sched = self.core.scheduler
-        return self.observer.log_stats(sched.num_running, sched.num_waiting,
+        return self.observer.log_stats(sched.num_running, self.scheduler.num_waiting,
                                        sched.kv_cache_manager.usage, force=force)
 
     async def _log_stats_loop(self) -> None:
@@ -258,7 +264,7 @@ class AsyncEngine:
         self.streams.fail(RequestFailed(
             request_id, 504, f"The request did not finish within --request-timeout "
             f"{self.request_timeout:g} s.", type="timeout", code="request_timeout"))
-        self.scheduler.send(AbortRequest(child_request_ids(request_id, stream.n), reason="abort"))
+        self.admission.send(AbortRequest(child_request_ids(request_id, stream.n), reason="abort"))
         log.info("request_timed_out", request_id=request_id, timeout_s=self.request_timeout)
 
     async def abort(self, request_id: str) -> None:
@@ -266,7 +272,7 @@ class AsyncEngine:
         stream = self.streams.close(request_id)
         if stream is None:
             return
-        self.scheduler.send(AbortRequest(child_request_ids(request_id, stream.n), reason="abort"))
+        self.admission.send(AbortRequest(child_request_ids(request_id, stream.n), reason="abort"))
         log.info("request_aborted", request_id=request_id)
 
     async def drain(self, timeout: float) -> int:
@@ -289,7 +295,7 @@ class AsyncEngine:
                                             "this request finished (--drain-timeout).",
                                             type="service_unavailable"))
             if stream is not None:
-                self.scheduler.send(AbortRequest(child_request_ids(request_id, stream.n)))
+                self.admission.send(AbortRequest(child_request_ids(request_id, stream.n)))
         log.info("drain_finished", failed_requests=len(left))
         return len(left)
 

@@ -6,7 +6,7 @@ locking); this class keeps the ``RequestTimeline`` of every live sequence
 ``EngineMetrics``. Log events (structlog, one JSON object per line):
 
 - ``request_received`` (the engine's ``generate``; arrival at the API),
-  ``request_queued`` (reached the scheduler's waiting queue),
+  ``request_queued`` (reached the admission actor's waiting queue),
   ``request_scheduled`` (first scheduling), ``request_first_token``,
   ``request_preempted`` (logged by the scheduler actor),
   ``request_finished`` (all phase times, token counts, priority, class);
@@ -67,7 +67,7 @@ class StatsObserver:
 
     def on_queued(self, request_id: str, parent_id: str, arrival_time: float,
                   prompt_tokens: int, priority: int, request_class: str | None) -> None:
-        """``request_queued``: the scheduler added it to its waiting queue."""
+        """``request_queued``: admission added it to the waiting queue."""
         now = time.monotonic()
         n = self._num_samples.get(parent_id, 1)
         if request_id == parent_id or request_id.endswith(f"-{n - 1}"):  # last sample

@@ -1,118 +1,112 @@
-"""AdmissionActor: decides, before any compute is spent, whether a request enters."""
+"""AdmissionActor: owns the waiting queue; decides what enters, and when it starts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kvserve.actors.base import Actor
-from kvserve.actors.messages import QueueLoad, RequestAccepted, RequestFailed, TokenizedRequest
+from kvserve.actors.messages import (
+    AbortRequest,
+    CapacityReport,
+    ReleaseRequests,
+    RequestAccepted,
+    RequestFailed,
+    TokenDelta,
+    TokenizedRequest,
+)
 from kvserve.actors.registry import StreamRegistry
+from kvserve.core.admission_queue import AdmissionLimits, AdmissionQueue, SchedulerCapacity
+from kvserve.core.outputs import RequestUpdate
+from kvserve.core.request import Request, RequestStatus
+
+__all__ = ["AdmissionActor", "AdmissionLimits", "refusal"]
 
 
-@dataclass(frozen=True)
-class AdmissionLimits:
-    """Bounds of the waiting queue (None = unbounded) and the policy.
-
-    ``max_waiting_requests``: waiting sequences (each of ``n`` samples counts).
-    ``max_waiting_tokens``: tokens the waiting sequences still need to compute
-    (prompt tokens, plus generated ones of preempted requests).
-    ``retry_after``: seconds suggested to a refused client (``Retry-After``).
-    """
-
-    policy: str = "fcfs"
-    max_waiting_requests: int | None = None
-    max_waiting_tokens: int | None = None
-    retry_after: float = 1.0
-
-
-@dataclass
-class WaitingEstimate:
-    """Admission's view of the waiting load, from messages alone.
-
-    Between admission's ``send`` and the scheduler actor's ``add_request`` a
-    request sits in the scheduler's inbox, invisible to the queue counts the
-    scheduler reports; without counting those a burst would be admitted whole
-    past the limits. So admission counts what it sent, the scheduler reports
-    what it queued (``QueueLoad``), and the difference is in transit. Stale
-    reports only overestimate (requests that left the queue since), so the
-    limits hold.
-    """
-
-    sent_requests: int = 0
-    sent_tokens: int = 0
-    report: QueueLoad = QueueLoad(0, 0, 0, 0)
-
-    def sent(self, num_tokens: int) -> None:
-        """One request of ``num_tokens`` prompt tokens was sent to the scheduler."""
-        self.sent_requests += 1
-        self.sent_tokens += num_tokens
-
-    def load(self) -> tuple[int, int]:
-        """(waiting sequences, waiting tokens), those in transit included."""
-        r = self.report
-        return (r.waiting_requests + self.sent_requests - r.queued_requests,
-                r.waiting_tokens + self.sent_tokens - r.queued_tokens)
-
-
-def refusal(limits: AdmissionLimits, load: tuple[int, int], request: TokenizedRequest,
-            n: int) -> RequestFailed | None:
+def refusal(queue: AdmissionQueue, request: TokenizedRequest, n: int) -> RequestFailed | None:
     """Why ``request`` (with its ``n`` samples) may not enter now, or None.
 
-    ``load`` is (waiting sequences, waiting prompt tokens). A non-zero
-    priority under fcfs is a 400 (the flag is missing); a full waiting
-    queue is a 429 with ``retry_after``, as vLLM and OpenAI signal overload.
+    A non-zero priority under fcfs is a 400 (the flag is missing); a full
+    waiting queue is a 429 with ``Retry-After``, as vLLM and OpenAI signal
+    overload.
     """
-    rid = request.parent_id
+    limits, rid = queue.limits, request.parent_id
     if request.priority != 0 and limits.policy != "priority":
         return RequestFailed(rid, 400, "priority is only supported with "
                              "--scheduling-policy priority (this server runs fcfs)",
                              param="priority")
-    waiting, tokens = load
-    if limits.max_waiting_requests is not None and waiting + n > limits.max_waiting_requests:
-        return RequestFailed(rid, 429, f"The server is overloaded: {waiting} requests are "
-                             f"waiting (--max-waiting-requests {limits.max_waiting_requests}).",
-                             type="server_overloaded", code="too_many_requests",
-                             retry_after=limits.retry_after)
-    new_tokens = n * len(request.prompt_token_ids)
-    if limits.max_waiting_tokens is not None and tokens + new_tokens > limits.max_waiting_tokens:
-        return RequestFailed(rid, 429, f"The server is overloaded: {tokens} prompt tokens are "
-                             f"waiting (--max-waiting-tokens {limits.max_waiting_tokens}).",
-                             type="server_overloaded", code="too_many_requests",
-                             retry_after=limits.retry_after)
-    return None
+    reason = queue.refusal(n, len(request.prompt_token_ids))
+    if reason is None:
+        return None
+    return RequestFailed(rid, 429, f"The server is overloaded: {reason}.",
+                         type="server_overloaded", code="too_many_requests",
+                         retry_after=limits.retry_after)
 
 
 class AdmissionActor(Actor):
-    """Admits tokenized requests into the scheduler (and the detokenizer).
+    """Holds every waiting request and releases them as the scheduler has room.
 
-    The waiting queue itself (fcfs or priority order) lives in the core
-    scheduler, which also needs it for preemption; this actor applies the
-    policy check and the waiting-queue limits first, so an overloaded server
-    answers 429 at once instead of queueing work it cannot serve in time.
-    The first sample of a request decides for all its samples. It knows the
-    queue only from the scheduler's ``QueueLoad`` messages (no shared state).
+    Inbox: ``TokenizedRequest`` (a new request: refused with a 4xx at once,
+    or queued), ``CapacityReport`` (the scheduler's room, and requests it
+    hands back), ``AbortRequest`` (from the API, a deadline, or a stop
+    string). Requests leave in ``ReleaseRequests`` messages. The queue's
+    order, limits and release rule are ``kvserve.core.admission_queue``;
+    this actor only moves messages. It knows which requests it released and
+    not seen finished, so an abort that misses a request in transit between
+    the two actors still finds it.
+
+    Args:
+        streams: the open client streams.
+        scheduler: the ``SchedulerActor``; detokenizer: the ``DetokenizerActor``.
+        queue: the admission queue (policy, limits, block arithmetic).
+        eos_token_ids, max_model_len: given to each ``Request`` it creates.
     """
 
     name = "admission"
 
     def __init__(self, streams: StreamRegistry, scheduler: Actor, detokenizer: Actor,
-                 limits: AdmissionLimits | None = None) -> None:
+                 queue: AdmissionQueue, eos_token_ids: tuple[int, ...] = (),
+                 max_model_len: int | None = None) -> None:
         super().__init__()
         self.streams = streams
         self.scheduler = scheduler
         self.detokenizer = detokenizer
-        self.limits = limits or AdmissionLimits()
-        self.estimate = WaitingEstimate()
+        self.queue = queue
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.capacity = SchedulerCapacity(free_seqs=1, free_blocks=0)  # until the first report
+        self.released: set[str] = set()  # released, not seen finished or returned
+        self._sent_waiting = 0  # the queue length the scheduler last heard
+        self.abort_pending: dict[str, str] = {}  # released id -> abort reason, forwarded
+        #: Lifecycle logs and metrics (``kvserve.stats_logger``); set by the engine.
+        self.observer = None
 
-    async def handle(self, message: TokenizedRequest | QueueLoad) -> None:
-        if isinstance(message, QueueLoad):
-            self.estimate.report = message
-            return
+    async def handle(self, message) -> None:
+        if isinstance(message, TokenizedRequest):
+            self._admit(message)
+        elif isinstance(message, CapacityReport):
+            self._on_capacity(message)
+        elif isinstance(message, AbortRequest):
+            self._abort(message)
+        else:
+            raise TypeError(f"unexpected message {type(message).__name__}")
+
+    def on_error(self, message, exc: Exception) -> None:
+        """A request that could not be queued fails alone; a report that
+        could not be handled is still answered, so the scheduler never waits
+        on admission."""
+        if isinstance(message, TokenizedRequest):
+            self.detokenizer.send(TokenDelta(
+                request_id=message.request_id, new_token_ids=(), finish_reason="error",
+                num_prompt_tokens=len(message.prompt_token_ids), error=str(exc)))
+        elif isinstance(message, CapacityReport) and message.wants_release:
+            self.scheduler.send(ReleaseRequests((), self.queue.num_waiting, answer=True))
+
+    # ------------------------------------------------------------- arrivals
+
+    def _admit(self, message: TokenizedRequest) -> None:
         if not self.streams.is_open(message.parent_id):
             return  # the client left (or the request was refused) meanwhile
         if message.index == 0:
             n = self.streams.num_samples(message.parent_id)
-            failed = refusal(self.limits, self.estimate.load(), message, n)
+            failed = refusal(self.queue, message, n)
             if failed is not None:
                 self.log.info("request_rejected", request_id=message.parent_id,
                               status=failed.status, reason=failed.message)
@@ -121,5 +115,78 @@ class AdmissionActor(Actor):
             self.streams.put(message.parent_id,
                              RequestAccepted(message.parent_id, message.prompt_token_ids))
         self.detokenizer.send(message)
-        self.estimate.sent(len(message.prompt_token_ids))
-        self.scheduler.send(message)
+        self.queue.add(Request(message.request_id, message.prompt_token_ids,
+                               message.sampling_params, arrival_time=message.arrival_time,
+                               priority=message.priority, eos_token_ids=self.eos_token_ids,
+                               max_model_len=self.max_model_len))
+        self._queued(message)
+        self._release(answer=False)
+
+    def _queued(self, message: TokenizedRequest) -> None:
+        if self.observer is not None:
+            self.observer.on_queued(message.request_id, message.parent_id, message.arrival_time,
+                                    len(message.prompt_token_ids), message.priority,
+                                    message.request_class)
+        else:
+            self.log.debug("request_queued", request_id=message.request_id,
+                           prompt_tokens=len(message.prompt_token_ids), priority=message.priority)
+
+    # ------------------------------------------------------------- releases
+
+    def _on_capacity(self, report: CapacityReport) -> None:
+        self.capacity = report.capacity
+        for request_id in report.finished_ids:
+            self.released.discard(request_id)
+            self.abort_pending.pop(request_id, None)
+        returned = []
+        for request in report.returned:
+            self.released.discard(request.request_id)
+            reason = self.abort_pending.pop(request.request_id, None)
+            if reason is None:
+                returned.append(request)
+            else:  # aborted while it travelled back
+                self._finish_here(request, reason)
+        self.queue.requeue(returned)
+        self._release(answer=report.wants_release)
+
+    def _release(self, answer: bool) -> None:
+        """Send what the scheduler can start, when there is any, when it waits
+        for an answer, or when the queue's length changed (its gauges)."""
+        requests = self.queue.release(self.capacity)
+        waiting = self.queue.num_waiting
+        if not requests and not answer and waiting == self._sent_waiting:
+            return
+        self.released.update(r.request_id for r in requests)
+        self._sent_waiting = waiting
+        self.scheduler.send(ReleaseRequests(tuple(requests), waiting, answer))
+
+    # --------------------------------------------------------------- aborts
+
+    def _abort(self, message: AbortRequest) -> None:
+        """Finish queued requests here; forward the others to the scheduler."""
+        forward = []
+        for request_id in message.request_ids:
+            request = self.queue.remove(request_id)
+            if request is not None:
+                self._finish_here(request, message.reason)
+            elif request_id in self.released:
+                self.abort_pending[request_id] = message.reason
+                forward.append(request_id)
+        if forward:
+            self.scheduler.send(AbortRequest(tuple(forward), message.reason))
+        self._release(answer=False)
+
+    def _finish_here(self, request: Request, reason: str) -> None:
+        """End a request that never left (or came back to) the queue."""
+        request.status = (RequestStatus.FINISHED_STOPPED if reason == "stop"
+                          else RequestStatus.FINISHED_ABORTED)
+        update = RequestUpdate.of(request)
+        if reason != "stop":  # a stop string: the detokenizer already ended the stream
+            self.detokenizer.send(TokenDelta(
+                request_id=request.request_id, new_token_ids=(),
+                finish_reason=str(update.finish_reason),
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=max(request.num_cached_tokens, 0)))
+        if self.observer is not None:
+            self.observer.on_update(update, emitted=reason != "stop")
+

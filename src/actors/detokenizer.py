@@ -86,7 +86,7 @@ class DetokenizerActor(Actor):
         super().__init__()
         self.tokenizer = tokenizer
         self.streams = streams
-        self.scheduler: Actor | None = None
+        self.admission: Actor | None = None  # gets AbortRequest(reason="stop")
         self._samples: dict[str, _Sample] = {}
         self._token_bytes = token_bytes_of(tokenizer)
         self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
@@ -130,8 +130,8 @@ class DetokenizerActor(Actor):
         finish_reason = delta.finish_reason
         if text.stopped and finish_reason is None:
             finish_reason = "stop"
-            if self.scheduler is not None:
-                self.scheduler.send(AbortRequest((delta.request_id,), reason="stop"))
+            if self.admission is not None:
+                self.admission.send(AbortRequest((delta.request_id,), reason="stop"))
         if finish_reason is not None:
             del self._samples[delta.request_id]
         if text.text or finish_reason is not None:

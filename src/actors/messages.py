@@ -3,13 +3,19 @@
 Data flow (DESIGN.md section 2)::
 
     API --GenerateRequest--> TokenizerActor --TokenizedRequest--> AdmissionActor
-        --TokenizedRequest--> SchedulerActor --ExecuteStep--> WorkerActor
+        --ReleaseRequests--> SchedulerActor --ExecuteStep--> WorkerActor
         --StepResult--> SchedulerActor --TokenDelta--> DetokenizerActor
         --RequestOutput--> the request's RequestStream --> API (SSE)
 
+    SchedulerActor --CapacityReport--> AdmissionActor (free slots and blocks,
+        requests handed back, requests finished)
+
 Aborts travel as ``AbortRequest`` to the admission actor (which forwards them
-to the scheduler when the request is no longer waiting there) and from the
-detokenizer back to the scheduler when a stop string matched.
+to the scheduler when the request is no longer waiting there), also from the
+detokenizer when a stop string matched.
+
+A ``Request`` object (``ReleaseRequests``, ``CapacityReport.returned``)
+changes owner with the message: the sender never touches it again.
 
 All times are ``time.monotonic()`` seconds unless a field says otherwise.
 """
@@ -19,7 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvserve.core.admission_queue import SchedulerCapacity
 from kvserve.core.outputs import SchedulerOutput
+from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the runner pulls in NumPy and the model; types only
@@ -79,20 +87,33 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
-class QueueLoad:
-    """The scheduler's waiting queue as it is now (scheduler -> admission).
+class CapacityReport:
+    """The scheduler's capacity, and requests going back (scheduler -> admission).
 
-    ``waiting_requests`` / ``waiting_tokens``: sequences waiting and the
-    tokens they still have to compute; ``queued_requests`` /
-    ``queued_tokens``: cumulative counts of the requests (and their prompt
-    tokens) the scheduler has taken from admission so far, so admission can
-    tell how many it sent are still in transit.
+    ``returned``: waiting requests handed back in service order (preempted,
+    or released but not admitted), keeping their arrival time.
+    ``finished_ids``: requests released earlier that finished since the last
+    report. ``wants_release``: the scheduler waits for a ``ReleaseRequests``
+    answer before it schedules again (sent after a step's results, so the
+    next step can admit what the finished requests freed).
     """
 
-    waiting_requests: int
-    waiting_tokens: int
-    queued_requests: int
-    queued_tokens: int
+    capacity: SchedulerCapacity
+    returned: tuple[Request, ...] = ()
+    finished_ids: tuple[str, ...] = ()
+    wants_release: bool = False
+
+
+@dataclass(frozen=True)
+class ReleaseRequests:
+    """Requests the scheduler may start now, in queue order (admission ->
+    scheduler). ``num_waiting``: requests still queued in admission (also
+    sent alone, with no requests, when that count changed). ``answer``: this
+    answers a ``CapacityReport`` with ``wants_release``."""
+
+    requests: tuple[Request, ...]
+    num_waiting: int
+    answer: bool = False
 
 
 @dataclass(frozen=True)

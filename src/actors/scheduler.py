@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from kvserve.actors.base import Actor
 from kvserve.actors.messages import (
     AbortRequest,
+    CapacityReport,
     ExecuteStep,
-    QueueLoad,
+    ReleaseRequests,
     StepResult,
     TokenDelta,
-    TokenizedRequest,
 )
+from kvserve.core.admission_queue import SchedulerCapacity
 from kvserve.core.outputs import PrefixCacheDivergence, RequestUpdate, SchedulerOutput
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
@@ -33,9 +34,12 @@ class _InFlight:
 class SchedulerActor(Actor):
     """Feeds the worker steps and reports token deltas.
 
-    Its inbox takes ``TokenizedRequest`` (add), ``AbortRequest`` (finish
-    early) and ``StepResult`` (the worker finished a step). After draining
-    the inbox it schedules steps while fewer than
+    Its inbox takes ``ReleaseRequests`` (requests admission lets start),
+    ``AbortRequest`` (finish early) and ``StepResult`` (the worker finished a
+    step). The waiting queue is admission's: after each step's results the
+    requests still waiting here (preempted, or released but not admitted)
+    go back to it in a ``CapacityReport``, and the next step waits for its
+    answer. After draining the inbox it schedules steps while fewer than
     ``SchedulerConfig.max_steps_in_flight`` are in flight and work remains:
     the batch is rebuilt every step (iteration-level scheduling, Yu et al.,
     Orca, OSDI 2022). With async scheduling (two in flight) the worker finds
@@ -46,14 +50,12 @@ class SchedulerActor(Actor):
 
     name = "scheduler"
 
-    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...],
-                 max_model_len: int) -> None:
+    def __init__(self, scheduler: Scheduler) -> None:
         super().__init__()
         self.core = scheduler
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
         self.worker: Actor | None = None
         self.detokenizer: Actor | None = None
+        self.admission: Actor | None = None  # gets CapacityReports; set by the engine
         self._in_flight: deque[_InFlight] = deque()  # oldest first, as the worker runs them
         self.max_in_flight = scheduler.config.max_steps_in_flight
         self.budget = StepBudget(scheduler.config.max_step_seconds,
@@ -61,12 +63,19 @@ class SchedulerActor(Actor):
         self.total_preemptions = 0
         #: Timelines, lifecycle logs and metrics (``kvserve.stats_logger``); set by the engine.
         self.observer = None
-        self.admission: Actor | None = None  # gets QueueLoad reports; set by the engine
-        self._queued = (0, 0)  # requests and prompt tokens taken from admission so far
-        self._reported: QueueLoad | None = None
+        self._num_received = 0  # requests released to us so far
+        self._finished: list[str] = []  # finished since the last capacity report
+        self._awaiting_release = False
+        self._reported: SchedulerCapacity | None = None
+
+    def start(self):
+        """Start the run loop; admission learns the capacity before any request."""
+        self._report(wants_release=False)
+        return super().start()
 
     async def run(self) -> None:
-        """Drain the inbox, then launch a step if none is in flight."""
+        """Drain the inbox, then launch steps, then tell admission of a change
+        of capacity while no step is in flight (a step's result reports it)."""
         from kvserve.actors.messages import Stop
 
         while True:
@@ -79,11 +88,12 @@ class SchedulerActor(Actor):
                     break
                 message = self.inbox.get_nowait()
             self._maybe_launch_step()
-            self._report_queue_load()
+            if not self._in_flight and not self._awaiting_release:
+                self._report(wants_release=False, only_if_changed=True)
 
     async def handle(self, message) -> None:
-        if isinstance(message, TokenizedRequest):
-            self._add(message)
+        if isinstance(message, ReleaseRequests):
+            self._on_release(message)
         elif isinstance(message, AbortRequest):
             self._abort(message)
         elif isinstance(message, StepResult):
@@ -91,49 +101,52 @@ class SchedulerActor(Actor):
         else:
             raise TypeError(f"unexpected message {type(message).__name__}")
 
-    def on_error(self, message, exc: Exception) -> None:
-        """A request that could not be queued fails alone (4xx-style error on
-        its stream); the actor keeps serving everyone else."""
-        if isinstance(message, TokenizedRequest) and self.detokenizer is not None:
-            self.detokenizer.send(TokenDelta(
-                request_id=message.request_id, new_token_ids=(), finish_reason="error",
-                num_prompt_tokens=len(message.prompt_token_ids), error=str(exc)))
+    def _on_release(self, message: ReleaseRequests) -> None:
+        """Requests admission lets start; each that cannot be added fails alone."""
+        if message.answer:
+            self._awaiting_release = False
+        self.core.num_waiting_outside = message.num_waiting
+        self._num_received += len(message.requests)
+        for request in message.requests:
+            try:
+                self.core.add_request(request)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the rest
+                self.log.exception("request_add_failed", request_id=request.request_id)
+                request.status, request.error = RequestStatus.FINISHED_ERROR, str(exc)
+                self._emit([RequestUpdate.of(request)])
+        self._refresh_load()
 
-    def _add(self, message: TokenizedRequest) -> None:
-        request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
-                          arrival_time=message.arrival_time, priority=message.priority,
-                          eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
-        self._queued = (self._queued[0] + 1, self._queued[1] + len(message.prompt_token_ids))
-        self.core.add_request(request)
-        if self.observer is not None:
-            self.observer.on_queued(message.request_id, message.parent_id, message.arrival_time,
-                                    len(message.prompt_token_ids), message.priority,
-                                    message.request_class)
-        else:
-            self.log.debug("request_queued", request_id=message.request_id,
-                           prompt_tokens=len(message.prompt_token_ids), priority=message.priority)
+    def _report(self, wants_release: bool, only_if_changed: bool = False,
+                returned: tuple[Request, ...] = ()) -> None:
+        """Send admission a ``CapacityReport`` (with requests handed back and
+        those finished since the last one)."""
+        capacity = self.core.capacity(self._num_received)
+        if only_if_changed and capacity == self._reported and not self._finished:
+            return
+        self._reported = capacity
+        finished, self._finished = tuple(self._finished), []
+        self._awaiting_release = wants_release
+        assert self.admission is not None
+        self.admission.send(CapacityReport(capacity, returned, finished, wants_release))
 
     def _abort(self, message: AbortRequest) -> None:
+        """Requests admission released (those handed back meanwhile, admission
+        finishes itself)."""
         status = (RequestStatus.FINISHED_STOPPED if message.reason == "stop"
                   else RequestStatus.FINISHED_ABORTED)
         updates = self.core.finish_requests(message.request_ids, status)
         if message.reason != "stop":
-            self._emit(updates or [])
-        elif self.observer is not None:  # the detokenizer already ended the stream
-            for update in updates or []:
-                self.observer.on_update(update, emitted=False)
+            self._emit(updates)
+        else:  # the detokenizer already ended the stream
+            self._finished += [u.request_id for u in updates]
+            if self.observer is not None:
+                for update in updates:
+                    self.observer.on_update(update, emitted=False)
         self._refresh_load()
-
-    def _report_queue_load(self) -> None:
-        """Tell admission the waiting queue's load when it changed."""
-        load = QueueLoad(self.core.num_waiting, self.core.num_waiting_tokens, *self._queued)
-        if self.admission is not None and load != self._reported:
-            self._reported = load
-            self.admission.send(load)
 
     def _maybe_launch_step(self) -> None:
         """Schedule and send steps until the in-flight limit or no work."""
-        while (len(self._in_flight) < self.max_in_flight
+        while (len(self._in_flight) < self.max_in_flight and not self._awaiting_release
                and self.core.has_unfinished_requests()):
             t0 = time.perf_counter()
             output = self.core.schedule(self.budget.tokens(self.core.num_running))
@@ -186,10 +199,21 @@ class SchedulerActor(Actor):
             self._emit(updates, runner_output.logprobs,
                        prompt_logprobs=runner_output.prompt_logprobs)
             self.budget.observe(output.num_batched_tokens, runner_output.forward_seconds)
+        self._hand_back()
         if self.observer is not None:
             self.observer.on_step(output, result.start, result.end,
                                   self._step_times(step, runner_output, time.perf_counter() - t0))
         self._refresh_load()
+
+    def _hand_back(self) -> None:
+        """After a step's results: every request still waiting here goes back
+        to admission (no step in flight holds a preempted one now), which
+        answers with what to start next; the next step waits for that answer
+        unless admission holds nothing."""
+        returned = tuple(self.core.take_waiting())
+        wants = bool(returned or self.core.num_waiting_outside)
+        self.core.num_waiting_outside += len(returned)
+        self._report(wants_release=wants, returned=returned)
 
     @staticmethod
     def _step_times(step: _InFlight, runner_output, emit_seconds: float) -> StepTimes:
@@ -206,6 +230,11 @@ class SchedulerActor(Actor):
         if self.observer is not None:
             self.observer.set_load(self.core.num_running, self.core.num_waiting,
                                    self.core.kv_cache_manager.usage)
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting requests, here and in admission (as of its last message)."""
+        return self.core.num_waiting
 
     def _fail_step(self, output: SchedulerOutput, error: str) -> None:
         """A step raised: fail its requests, and those of the step in flight
@@ -231,6 +260,8 @@ class SchedulerActor(Actor):
             if entries is not None:
                 entries = tuple(entries[: len(update.new_token_ids)])
             reason = update.finish_reason
+            if reason is not None:
+                self._finished.append(update.request_id)
             self.detokenizer.send(TokenDelta(
                 request_id=update.request_id, new_token_ids=update.new_token_ids,
                 finish_reason=None if reason is None else str(reason),

@@ -8,9 +8,10 @@ cache's block dimension.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .request import FinishReason
+from .request import FinishReason, Request
 from .sampling_params import SamplingParams
 
 
@@ -118,6 +119,18 @@ class RequestUpdate:
     def finished(self) -> bool:
         """True when the request finished with this update."""
         return self.finish_reason is not None
+
+    @classmethod
+    def of(cls, request: Request, new_token_ids: Sequence[int] = ()) -> RequestUpdate:
+        """The update of ``request`` as it is now, with these new tokens."""
+        return cls(
+            request_id=request.request_id, new_token_ids=tuple(new_token_ids),
+            finish_reason=request.status.finish_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_preemptions=request.num_preemptions, stop_reason=request.stop_reason,
+            error=request.error)
 
 
 @dataclass(frozen=True)

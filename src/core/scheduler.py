@@ -38,6 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..config import SchedulerConfig
+from .admission_queue import SchedulerCapacity
 from .kv_cache_manager import KVCacheManager, cdiv
 from .outputs import (NewRequestData, PreemptionEvent, PrefixCacheDivergence, RequestUpdate,
                       ScheduledRequest, SchedulerOutput)
@@ -89,6 +90,9 @@ class Scheduler:
         # request id -> length of its block table the runner has (deltas)
         self._blocks_sent: dict[str, int] = {}
         self._step_id = 0
+        #: Requests waiting outside this scheduler (the engine's admission
+        #: queue), counted in ``num_waiting`` and the outputs' ``num_waiting``.
+        self.num_waiting_outside = 0
 
     # ----------------------------------------------------------- bookkeeping
 
@@ -99,8 +103,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued (new or preempted)."""
-        return len(self.waiting)
+        """Requests queued (new or preempted), here and outside."""
+        return len(self.waiting) + self.num_waiting_outside
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -116,18 +120,48 @@ class Scheduler:
         return self.requests.get(request_id)
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request. Its ``max_model_len`` is capped at the
-        scheduler's. Raises ``ValueError`` for a duplicate live id or a
-        request that is not fresh (already scheduled or finished)."""
+        """Queue a new request, or a preempted one coming back (from
+        ``take_waiting``). Its ``max_model_len`` is capped at the scheduler's.
+        Raises ``ValueError`` for a duplicate live id or a request that is
+        running or finished."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
-            raise ValueError(f"request {request.request_id!r} is not a fresh request")
+        waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        if request.status not in waiting or request.num_computed_tokens \
+                or request.num_output_placeholders:
+            raise ValueError(f"request {request.request_id!r} is not waiting")
         limit = self.config.max_model_len
         if request.max_model_len is None or request.max_model_len > limit:
             request.max_model_len = limit
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def take_waiting(self) -> list[Request]:
+        """Hand every waiting request (new ones not admitted yet, preempted
+        ones) back to the caller, in service order, and forget them here.
+
+        Call it only when no step in flight holds a preempted one (after
+        ``update_from_output``, with at most two steps in flight: see the
+        module docstring), since their sampled tokens would be dropped.
+        """
+        taken = []
+        while self.waiting:
+            request = self.waiting.pop()
+            del self.requests[request.request_id]
+            taken.append(request)
+        return taken
+
+    def capacity(self, released_seen: int = 0) -> SchedulerCapacity:
+        """What this scheduler can start now (``released_seen``: requests it
+        has received from admission so far, passed through)."""
+        manager = self.kv_cache_manager
+        worst = None
+        if self.config.policy == "priority" and self.running:
+            worst = self._priority_key(self._pick_victim())
+        return SchedulerCapacity(
+            free_seqs=self.config.max_num_seqs - len(self.running) - len(self.waiting),
+            free_blocks=manager.num_free_blocks, num_running=len(self.running),
+            worst_running=worst, released_seen=released_seen)
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         status: RequestStatus) -> list[RequestUpdate]:
@@ -157,7 +191,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids[request.request_id] = None
-        return _make_update(request, new_token_ids)
+        return RequestUpdate.of(request, new_token_ids)
 
     # -------------------------------------------------------------- schedule
 
@@ -351,7 +385,7 @@ class Scheduler:
             num_decode_tokens=num_decode, first_scheduled_request_ids=tuple(step.first_scheduled),
             prefix_cache_queries=queries, prefix_cache_hits=hits,
             kv_cache_usage=self.kv_cache_manager.usage, num_running=len(self.running),
-            num_waiting=len(self.waiting), divergences=tuple(step.divergences),
+            num_waiting=self.num_waiting, divergences=tuple(step.divergences),
             written_block_ids=self._written_blocks(scheduled))
 
     def _written_blocks(self, scheduled: list[ScheduledRequest]) -> tuple[int, ...]:
@@ -425,7 +459,7 @@ class Scheduler:
             if reason is not None:
                 break
         if reason is None:
-            return _make_update(request, appended)
+            return RequestUpdate.of(request, appended)
         request.stop_reason = _stop_token(request) if reason is FinishReason.STOP else None
         status = RequestStatus.from_finish_reason(reason)
         return self._finish_running(request, status, None, appended)
@@ -458,12 +492,3 @@ def _stop_token(request: Request) -> int | None:
     params = request.sampling_params
     is_eos = not params.ignore_eos and last in request.eos_token_ids
     return last if last in params.stop_token_ids and not is_eos else None
-
-
-def _make_update(request: Request, new_token_ids: Sequence[int]) -> RequestUpdate:
-    return RequestUpdate(
-        request_id=request.request_id, new_token_ids=tuple(new_token_ids),
-        finish_reason=request.status.finish_reason, num_cached_tokens=request.num_cached_tokens,
-        num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
-        num_preemptions=request.num_preemptions, stop_reason=request.stop_reason,
-        error=request.error)

@@ -25,7 +25,7 @@ from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 pytestmark = pytest.mark.model
 
 MAX_TOKENS = 8
-TIGHT_BLOCKS = 8
+TIGHT_BLOCKS = 5
 SYSTEM = ("You are a helpful assistant that answers in one short sentence. Be precise, be "
           "friendly, and never make up facts you are not sure about.")
 QUESTIONS = [
@@ -98,7 +98,7 @@ def test_16_concurrent_equal_alone(e2e_engine, alone) -> None:
 @pytest.fixture(scope="module")
 def tight_engine(default_model_path: Path):
     """A second engine that forces chunked prefill (a 32-token budget) and
-    preemption by recompute (8 KV blocks of 16 tokens for 16 requests)."""
+    preemption by recompute (5 KV blocks of 16 tokens for 16 requests)."""
     per_token = 2 * 30 * 3 * 64 * 4  # float32 K+V bytes per token of SmolLM2-135M
     config = EngineConfig(
         model=str(default_model_path), logprobs_mode="raw_logits",

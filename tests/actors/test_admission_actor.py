@@ -1,0 +1,133 @@
+"""The admission actor moves messages only: it queues, refuses, releases on
+capacity reports, takes back requests, and finds an aborted request wherever
+it is (queued, released, or travelling back from the scheduler)."""
+
+import asyncio
+
+from kvserve.actors.admission import AdmissionActor
+from kvserve.actors.messages import (AbortRequest, CapacityReport, ReleaseRequests,
+                                     RequestAccepted, RequestFailed, TokenDelta,
+                                     TokenizedRequest)
+from kvserve.actors.registry import StreamRegistry
+from kvserve.core.admission_queue import AdmissionLimits, AdmissionQueue, SchedulerCapacity
+from kvserve.core.sampling_params import SamplingParams
+
+
+class Inbox:
+    def __init__(self):
+        self.messages = []
+
+    def send(self, message):
+        self.messages.append(message)
+
+    def take(self, kind):
+        found = [m for m in self.messages if isinstance(m, kind)]
+        self.messages = [m for m in self.messages if not isinstance(m, kind)]
+        return found
+
+
+def make_actor(**limits):
+    streams = StreamRegistry()
+    scheduler, detokenizer = Inbox(), Inbox()
+    queue = AdmissionQueue(AdmissionLimits(**limits), block_size=4, max_chunk_tokens=64)
+    actor = AdmissionActor(streams, scheduler, detokenizer, queue, eos_token_ids=(2,))
+    return actor, streams, scheduler, detokenizer
+
+
+def arrive(actor, streams, rid, num_tokens=4, priority=0):
+    stream = streams.open(rid, 1)
+    handle(actor, TokenizedRequest(rid, rid, 0, tuple(range(num_tokens)),
+                                   SamplingParams(max_tokens=4), arrival_time=0.0,
+                                   priority=priority))
+    return stream
+
+
+def handle(actor, message):
+    asyncio.run(actor.handle(message))
+
+
+def report(free_seqs, released_seen, returned=(), finished=(), wants=False, running=1):
+    capacity = SchedulerCapacity(free_seqs=free_seqs, free_blocks=100, num_running=running,
+                                 released_seen=released_seen)
+    return CapacityReport(capacity, tuple(returned), tuple(finished), wants)
+
+
+def released(scheduler):
+    return [r.request_id for m in scheduler.take(ReleaseRequests) for r in m.requests]
+
+
+def test_queues_then_releases_on_capacity_and_answers_when_asked():
+    actor, streams, scheduler, _ = make_actor()
+    handle(actor, report(free_seqs=1, released_seen=0))
+    stream = arrive(actor, streams, "a")
+    assert isinstance(stream._queue.get_nowait(), RequestAccepted)
+    arrive(actor, streams, "b")
+    assert released(scheduler) == ["a"]  # one slot
+    handle(actor, report(free_seqs=0, released_seen=1, wants=True))
+    (answer,) = scheduler.take(ReleaseRequests)
+    assert answer.answer and answer.requests == () and answer.num_waiting == 1
+    handle(actor, report(free_seqs=1, released_seen=1, finished=["a"]))
+    assert released(scheduler) == ["b"] and actor.released == {"b"}
+
+
+def test_refusals_are_4xx_and_queue_nothing():
+    actor, streams, scheduler, _ = make_actor(max_waiting_requests=1)
+    handle(actor, report(free_seqs=0, released_seen=0))
+    arrive(actor, streams, "a")
+    stream = arrive(actor, streams, "b")
+    failed = stream._queue.get_nowait()
+    assert isinstance(failed, RequestFailed) and failed.status == 429
+    assert "--max-waiting-requests 1" in failed.message
+    stream = arrive(actor, streams, "c", priority=3)  # fcfs
+    failed = stream._queue.get_nowait()
+    assert failed.status == 400 and failed.param == "priority"
+    assert actor.queue.num_waiting == 1
+
+
+def test_a_returned_request_goes_ahead_of_later_arrivals():
+    actor, streams, scheduler, _ = make_actor()
+    handle(actor, report(free_seqs=1, released_seen=0))
+    arrive(actor, streams, "first")
+    (first,) = scheduler.take(ReleaseRequests)[0].requests
+    arrive(actor, streams, "second")
+    handle(actor, report(free_seqs=0, released_seen=1, returned=[first]))  # e.g. preempted
+    handle(actor, report(free_seqs=2, released_seen=1))
+    assert released(scheduler) == ["first", "second"]
+
+
+def test_abort_of_a_queued_request_ends_it_here():
+    actor, streams, scheduler, detokenizer = make_actor()
+    handle(actor, report(free_seqs=0, released_seen=0))
+    arrive(actor, streams, "a")
+    handle(actor, AbortRequest(("a",)))
+    (delta,) = detokenizer.take(TokenDelta)
+    assert delta.request_id == "a" and delta.finish_reason == "abort"
+    assert actor.queue.num_waiting == 0 and not scheduler.take(AbortRequest)
+    assert scheduler.take(ReleaseRequests)[-1].num_waiting == 0  # the gauge hears of it
+
+
+def test_abort_of_a_released_request_goes_to_the_scheduler():
+    actor, streams, scheduler, detokenizer = make_actor()
+    handle(actor, report(free_seqs=1, released_seen=0))
+    arrive(actor, streams, "a")
+    handle(actor, AbortRequest(("a", "unknown")))
+    (forwarded,) = scheduler.take(AbortRequest)
+    assert forwarded.request_ids == ("a",)
+    handle(actor, report(free_seqs=1, released_seen=1, finished=["a"]))
+    assert not actor.released and not actor.abort_pending
+
+
+def test_abort_that_crosses_a_request_travelling_back_still_ends_it():
+    """The scheduler handed "a" back just as its abort reached admission:
+    admission forwards the abort (the scheduler no longer has it), and ends
+    "a" itself when it arrives, instead of queueing it again."""
+    actor, streams, scheduler, detokenizer = make_actor()
+    handle(actor, report(free_seqs=1, released_seen=0))
+    arrive(actor, streams, "a")
+    (a,) = scheduler.take(ReleaseRequests)[0].requests
+    handle(actor, AbortRequest(("a",)))
+    assert scheduler.take(AbortRequest)
+    handle(actor, report(free_seqs=1, released_seen=1, returned=[a]))
+    (delta,) = detokenizer.take(TokenDelta)
+    assert delta.request_id == "a" and delta.finish_reason == "abort"
+    assert actor.queue.num_waiting == 0 and released(scheduler) == []
