@@ -38,9 +38,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="local Hugging Face-layout Llama-family checkpoint folder "
                         "(default: SmolLM2-135M-Instruct, fetched and converted on first use)")
-    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda when CuPy sees a GPU, else cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
+                   help="weights, activations and KV cache: auto = float32 on the CPU, "
+                        "float16 on a GPU")
     p.add_argument("--kv-cache-memory", default="1GiB",
                    help="bytes for KV blocks on the CPU backend, e.g. 512MiB, 1GiB")
+    p.add_argument("--gpu-memory-utilization", type=POSITIVE_FLOAT, default=0.9,
+                   help="cuda: fraction of the GPU's memory for weights, activations and the "
+                        "KV cache, which gets what the other two leave (default 0.9)")
     p.add_argument("--block-size", type=POSITIVE_INT, default=16, help="tokens per KV block")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false", help="turn automatic prefix caching off")
@@ -83,6 +90,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the ``EngineConfig``; fetches the default model when ``--model`` is absent."""
+    from kvserve.model.backend import resolve_backend
+
+    args.backend = resolve_backend(args.backend)
+    if args.backend == "cuda":
+        from kvserve.cuda.backend import check_available
+        check_available()
     model = args.model
     if model is None:
         from kvserve.model.default_model import ensure_default_model
@@ -97,8 +110,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_step_seconds=args.max_step_ms / 1000 if args.max_step_ms else None,
         async_scheduling=args.async_scheduling)
     cache = CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
+                        gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching)
-    return EngineConfig(model=model, backend=args.backend, cache=cache, scheduler=scheduler,
+    return EngineConfig(model=model, backend=args.backend, dtype=args.dtype, cache=cache,
+                        scheduler=scheduler,
                         logprobs_mode=args.logprobs_mode, seed=args.seed,
                         num_threads=args.num_threads)
 
@@ -312,8 +327,12 @@ def main(argv: list[str] | None = None) -> int:
         from kvserve.model.default_model import ensure_default_model
         print(ensure_default_model())
     elif args.command in ("serve", "generate"):
+        from kvserve.model.backend import BackendUnavailable
         try:
             config = engine_config_from_args(args)
+        except BackendUnavailable as exc:  # one line, no traceback
+            print(f"kvserve: error: {exc}", file=sys.stderr)
+            return 2
         except ValueError as exc:  # inconsistent settings, e.g. a block size not a power of 2
             parser.error(str(exc))
         if args.command == "serve":

@@ -156,10 +156,14 @@ class EngineConfig:
     logits) or ``raw_logits`` (the logits themselves, to compare against
     reference outputs). ``num_threads``: CPU threads of both BLAS and Numba
     (None: the CPUs this process may use; see ``kvserve.cpu.threads``).
+    ``backend``: ``auto`` (CUDA when CuPy sees a device), ``cpu`` or ``cuda``;
+    ``dtype`` (vLLM's ``--dtype``): of weights, activations and KV cache,
+    ``auto`` = float32 on the CPU, float16 on a GPU.
     """
 
     model: str
     backend: str = "cpu"
+    dtype: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_logprobs: int = 20
@@ -170,7 +174,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.backend not in ("cpu", "cuda"):
-            raise ValueError(f"backend must be cpu or cuda, got {self.backend!r}")
+        if self.backend not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"backend must be auto, cpu or cuda, got {self.backend!r}")
+        if self.dtype not in ("auto", "float32", "float16"):
+            raise ValueError(f"dtype must be auto, float32 or float16, got {self.dtype!r}")
+        if self.backend == "cpu" and self.dtype == "float16":
+            raise ValueError("the cpu backend runs float32; --dtype float16 needs --backend cuda")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -23,35 +24,21 @@ from kvserve.actors.registry import StreamRegistry, child_request_ids
 from kvserve.actors.scheduler import SchedulerActor
 from kvserve.actors.stream import RequestStream
 from kvserve.actors.tokenizer import TokenizerActor
-from kvserve.actors.worker import WorkerActor
+from kvserve.actors.worker import WorkerActor, worker_executor
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler
 from kvserve.metrics import EngineMetrics
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model_config, load_weights
-from kvserve.model.runner import ModelRunner
+from kvserve.model.backend import Backend, create_backend
+from kvserve.model.runner import ModelRunner, profile_forward
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.plan import (  # noqa: F401 - KVCachePlan re-exported
     KVCachePlan, cap_to_cache, plan_kv_cache, resolve_max_model_len)
 from kvserve.stats_logger import StatsObserver
 
 log = structlog.get_logger("kvserve.engine")
-
-
-def _make_ops(backend: str, num_threads: int | None):
-    if backend == "cpu":
-        from kvserve.cpu.ops import CpuOps
-        from kvserve.cpu.threads import apply_thread_policy, busy_warning, resolve_num_threads
-
-        policy = apply_thread_policy(resolve_num_threads(num_threads))
-        log.info("thread_policy", message=f"CPU threads: {policy.num_threads} for BLAS and "
-                 f"Numba ({policy.available_cpus} CPUs available)", **policy.log_fields())
-        warning = busy_warning(policy)
-        if warning is not None:
-            log.warning("cpu_busy", message=warning, num_threads=policy.num_threads)
-        return CpuOps(num_threads=policy.num_threads)
-    raise ValueError(f"backend {backend!r} is not available in this build; use --backend cpu")
 
 
 @dataclass
@@ -61,6 +48,7 @@ class EngineCore:
     config: EngineConfig
     model_config: ModelConfig
     tokenizer: Tokenizer
+    backend: Backend
     runner: ModelRunner
     scheduler: Scheduler
     plan: KVCachePlan
@@ -70,28 +58,35 @@ class EngineCore:
 def build_engine_core(config: EngineConfig) -> EngineCore:
     """Load the checkpoint, size the KV cache and build runner and scheduler.
 
+    Call it on the thread that will run the steps (the worker's): the
+    backend's buffers and streams belong to it. The weights keep the
+    checkpoint's dtype until the backend converts them to its own.
     ``max_model_len`` is the checkpoint's context length, capped by
     ``SchedulerConfig.max_model_len`` and by the KV cache size (a request must
-    fit alone), with a warning when the cache caps it.
+    fit alone), with a warning when the cache caps it. Raises
+    ``BackendUnavailable`` when the backend cannot run here.
     """
     t0 = time.monotonic()
     path = Path(config.model)
     model_config = load_model_config(path)
     tokenizer = Tokenizer(path)
-    ops = _make_ops(config.backend, config.num_threads)
-    weights = load_weights(path, model_config)
-    weights_bytes = sum(array.nbytes for array in weights.values())
-    model = LlamaModel(model_config, weights, ops)
+    backend = create_backend(config)
+    weights = load_weights(path, model_config, dtype=None)
+    weights_bytes = sum(array.size for array in weights.values()) * backend.dtype.itemsize
+    model = LlamaModel(model_config, weights, backend.ops)
     del weights
     requested = resolve_max_model_len(model_config, config.scheduler.max_model_len)
-    plan = cap_to_cache(plan_kv_cache(model_config, config.cache, requested))
+    kv_bytes = backend.kv_cache_bytes(model_config, weights_bytes, lambda: profile_forward(
+        model, backend.ops, config.scheduler.max_num_batched_tokens, config.cache.block_size))
+    plan = cap_to_cache(plan_kv_cache(model_config, replace(config.cache, kv_cache_memory=kv_bytes),
+                                      requested, backend.dtype.itemsize))
     max_len = plan.max_model_len
     if max_len < requested:
         log.warning("max_model_len_capped", max_model_len=max_len, requested=requested,
                     reason="KV cache holds fewer tokens than the context length")
-    runner = ModelRunner(model_config, model, ops, plan.num_blocks, plan.block_size,
+    runner = ModelRunner(model_config, model, backend.ops, plan.num_blocks, plan.block_size,
                          logprobs_mode=config.logprobs_mode, seed=config.seed)
-    _warm_up(ops)
+    backend.warmup()
     kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching)
     scheduler = Scheduler(replace(config.scheduler, max_model_len=max_len), kv, plan.block_size)
     log.info("kv_cache_size", message=f"KV cache size: {plan.num_tokens:,} tokens",
@@ -109,15 +104,10 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
              max_num_batched_tokens=sched.max_num_batched_tokens, max_step_ms=step_ms,
              max_num_seqs=sched.max_num_seqs, policy=sched.policy,
              async_scheduling=sched.async_scheduling)
-    log.info("engine_loaded", model=str(path), backend=config.backend,
-             weights_bytes=weights_bytes, seconds=round(time.monotonic() - t0, 3))
-    return EngineCore(config, model_config, tokenizer, runner, scheduler, plan, max_len)
-
-
-def _warm_up(ops) -> None:
-    warmup = getattr(ops, "warmup", None)
-    if warmup is not None:
-        warmup()
+    log.info("engine_loaded", model=str(path), backend=backend.name,
+             dtype=str(backend.dtype), weights_bytes=weights_bytes,
+             seconds=round(time.monotonic() - t0, 3))
+    return EngineCore(config, model_config, tokenizer, backend, runner, scheduler, plan, max_len)
 
 
 class AsyncEngine:
@@ -136,7 +126,7 @@ class AsyncEngine:
     def __init__(self, core: EngineCore, model_name: str | None = None,
                  admission: AdmissionLimits | None = None,
                  request_timeout: float | None = None, stats_interval: float = 10.0,
-                 log_prompts: bool = False) -> None:
+                 log_prompts: bool = False, executor: ThreadPoolExecutor | None = None) -> None:
         self.core = core
         self.request_timeout = request_timeout
         self.stats_interval = stats_interval
@@ -153,7 +143,7 @@ class AsyncEngine:
         self._stats_task: asyncio.Task[None] | None = None
         self.scheduler = SchedulerActor(core.scheduler)
         self.scheduler.observer = self.observer
-        self.worker = WorkerActor(core.runner, self.scheduler)
+        self.worker = WorkerActor(core.runner, self.scheduler, executor)
         self.detokenizer = DetokenizerActor(core.tokenizer, self.streams)
         sched = core.scheduler.config
         queue = AdmissionQueue(
@@ -177,17 +167,26 @@ class AsyncEngine:
     async def start(cls, config: EngineConfig, model_name: str | None = None,
                     request_timeout: float | None = None, stats_interval: float = 10.0,
                     log_prompts: bool = False) -> AsyncEngine:
-        """Build the engine off the event loop, then start the actors.
+        """Build the engine on the worker's thread (off the event loop), then
+        start the actors.
 
         Admission limits come from ``config.scheduler`` (policy,
-        ``max_waiting_requests``, ``max_waiting_tokens``).
+        ``max_waiting_requests``, ``max_waiting_tokens``). Raises
+        ``BackendUnavailable`` when the backend cannot run here.
         """
-        core = await asyncio.to_thread(build_engine_core, config)
+        executor = worker_executor()
+        try:
+            core = await asyncio.get_running_loop().run_in_executor(
+                executor, build_engine_core, config)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
         sched = config.scheduler
         limits = AdmissionLimits(policy=sched.policy, max_waiting_requests=sched.max_waiting_requests,
                                  max_waiting_tokens=sched.max_waiting_tokens,
                                  priority_aging_seconds=sched.priority_aging_seconds)
-        engine = cls(core, model_name, limits, request_timeout, stats_interval, log_prompts)
+        engine = cls(core, model_name, limits, request_timeout, stats_interval, log_prompts,
+                     executor)
         engine.start_actors()
         return engine
 

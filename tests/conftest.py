@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+
+# Before numba is first imported: the CUDA backend's tests (tests/cuda, the
+# "cuda-sim" backend of the model tests) run on Numba's CUDA simulator unless
+# NUMBA_ENABLE_CUDASIM=0 selects a real GPU.
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+from pathlib import Path  # noqa: E402
 
 import pytest
 

@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLER_TESTS = ("tests/model/test_sampler.py", "tests/model/test_sampler_batched.py")
 FORWARD_TESTS = ("tests/model/test_forward_reference.py",)
 KERNEL_TESTS = ("tests/cpu/test_kernels.py",) + FORWARD_TESTS
+CUDA_TESTS = ("tests/cuda/test_cuda_ops_conformance.py",)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,14 @@ MUTANTS: tuple[Mutant, ...] = (
            (("qbuf[qi * group + g, d] = q[t0 + qi, kvh * group + g, d] * scale",
              "qbuf[qi * group + g, d] = q[t0 + qi, kvh + g * group, d] * scale"),),
            KERNEL_TESTS, "query head h reads the wrong KV head (interleaved instead of grouped)"),
+    Mutant("cuda_gqa_head_mapping", "cuda/kernels.py",
+           (("kvh = h // (q.shape[1] // kv_cache.shape[3])", "kvh = h % kv_cache.shape[3]"),),
+           CUDA_TESTS, "CUDA attention: query head h reads KV head h mod nkv, not h // group",
+           count=2),
+    Mutant("cuda_split_k_rescale", "cuda/kernels.py",
+           (("w = exp_sums[i, h, p] * math.exp(max_logits[i, h, p] - m_all)",
+             "w = exp_sums[i, h, p]"),),
+           CUDA_TESTS, "split-K reduction forgets to rescale each partition by exp(m_p - M)"),
 )
 
 

@@ -10,22 +10,30 @@ from kvserve.actors.base import Actor
 from kvserve.actors.messages import ExecuteStep, StepResult
 
 
+def worker_executor() -> ThreadPoolExecutor:
+    """The one thread that builds the runner and runs every step (a backend's
+    buffers and streams belong to the thread that made them)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-worker")
+
+
 class WorkerActor(Actor):
     """Executes one step at a time and reports a ``StepResult`` to the scheduler.
 
     The forward pass runs on a single worker thread (the NumPy/Numba kernels
     release the GIL), so the API keeps streaming while step N computes. A step
     that raises becomes a ``StepResult`` with ``error`` set: the scheduler
-    fails exactly that step's requests and the engine goes on.
+    fails exactly that step's requests and the engine goes on. ``executor``:
+    the thread the runner was built on (``worker_executor``; a new one if None).
     """
 
     name = "worker"
 
-    def __init__(self, runner, scheduler: Actor) -> None:
+    def __init__(self, runner, scheduler: Actor, executor: ThreadPoolExecutor | None = None
+                 ) -> None:
         super().__init__()
         self.runner = runner
         self.scheduler = scheduler
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-worker")
+        self._executor = executor or worker_executor()
 
     async def handle(self, message: ExecuteStep) -> None:
         loop = asyncio.get_running_loop()

@@ -211,3 +211,27 @@ class ModelRunner:
                 output.prompt_logprobs[rid] = state.prompt_logprobs
                 state.prompt_logprobs = None
         return output
+
+
+def profile_forward(model: LlamaModel, ops: Ops, num_tokens: int, block_size: int) -> None:
+    """One forward pass of ``num_tokens`` prompt tokens (a single sequence,
+    the largest step the scheduler builds) on a temporary KV cache, then the
+    LM head on every row: how a GPU backend measures its activation peak
+    before it sizes the KV cache (vLLM's profile run). Token ids are 0; the
+    LM head scores the last ``PROMPT_LOGITS_ROWS`` rows (the most a step
+    scores at once)."""
+    config = model.config
+    num_blocks = -(-num_tokens // block_size)
+    caches = [ops.allocate_kv_cache(num_blocks, block_size, config.num_key_value_heads,
+                                    config.head_dim) for _ in range(config.num_hidden_layers)]
+    positions = np.arange(num_tokens, dtype=np.int64)
+    to = ops.to_device
+    attn = AttentionMetadata(
+        slot_mapping=to(positions),
+        block_tables=to(np.arange(num_blocks, dtype=np.int32)[None, :]),
+        seq_lens=to(np.array([num_tokens], dtype=np.int32)),
+        query_start_loc=to(np.array([0, num_tokens], dtype=np.int32)))
+    rows = positions[-PROMPT_LOGITS_ROWS:]
+    hidden = model.hidden_states(to(np.zeros(num_tokens, dtype=np.int64)), to(positions), attn,
+                                 caches, to(rows))
+    model.compute_logits(hidden)

@@ -119,6 +119,25 @@ def write_tiny_checkpoint(folder: Path, spec: TinySpec) -> Path:
     return folder
 
 
+def write_byte_tokenizer(folder: Path) -> Path:
+    """A byte-level tokenizer for the tiny checkpoint in ``folder``: ids 0 and
+    1 are ``<s>``/``</s>`` (the config's BOS/EOS), ids 2..257 the 256 bytes
+    (no merges), so any text encodes within the 512-token vocabulary and an
+    engine can serve the tiny model end to end."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1}
+    vocab.update({ch: i + 2 for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return folder
+
+
 def load_tiny(folder: Path, spec: TinySpec) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Write the checkpoint, then read it back through the production loader."""
     write_tiny_checkpoint(folder, spec)

@@ -1,0 +1,111 @@
+"""The CUDA backend end to end, under Numba's CUDA simulator: the tiny
+random-weight Llama through ``ModelRunner`` (greedy tokens equal the CPU
+backend's, logits the float64 reference's), the engine serving a request
+with ``backend="cuda"``, and ``--backend cuda`` on a machine without a GPU
+refused in one line."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))  # the tiny checkpoint
+
+from test_forward_reference import check_against_reference, greedy, make_runner, serve  # noqa: E402
+from tiny_llama import SPECS, load_tiny, write_byte_tokenizer  # noqa: E402
+
+from kvserve.actors.messages import GenerateRequest, RequestOutput  # noqa: E402
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from kvserve.core.request import Request  # noqa: E402
+from kvserve.core.sampling_params import SamplingParams  # noqa: E402
+from kvserve.cpu.ops import CpuOps  # noqa: E402
+from kvserve.cuda.ops import CudaOps  # noqa: E402
+from kvserve.engine import AsyncEngine  # noqa: E402
+
+
+def _serve_tiny(ops, config, weights, prompts, max_tokens):
+    """Chunked prefill (budget 8) beside decodes, blocks of 4, two steps in
+    flight; returns the requests and their logprob entries."""
+    runner, scheduler = make_runner(config, weights, ops, num_blocks=16, block_size=4, budget=8)
+    requests = [Request(f"r{i}", p, greedy(max_tokens)) for i, p in enumerate(prompts)]
+    return requests, serve(runner, scheduler, requests)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_tiny_llama_on_simulated_cuda_equals_cpu_greedy_and_reference(spec, tmp_path):
+    config, weights = load_tiny(tmp_path, spec)
+    rng = np.random.default_rng(500 + spec.seed)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 11)]
+    on_cuda, entries = _serve_tiny(CudaOps(), config, weights, prompts, max_tokens=3)
+    on_cpu, _ = _serve_tiny(CpuOps(), config, weights, prompts, max_tokens=3)
+    for cuda_request, cpu_request in zip(on_cuda, on_cpu):
+        assert cuda_request.output_token_ids == cpu_request.output_token_ids
+        check_against_reference(weights, config, cuda_request, entries[cuda_request.request_id])
+
+
+async def _generate(engine: AsyncEngine, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    stream = engine.generate(GenerateRequest(
+        request_id=f"sim-{time.monotonic_ns()}", arrival_time=time.monotonic(),
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        prompt_token_ids=tuple(prompt_ids)))
+    tokens: list[int] = []
+    async for event in stream:
+        if isinstance(event, RequestOutput):
+            tokens += event.token_ids
+            if event.finish_reason is not None:
+                assert event.finish_reason == "length", event
+    return tokens
+
+
+def _engine_tokens(folder: Path, backend: str, prompt_ids: list[int]) -> list[int]:
+    config = EngineConfig(model=str(folder), backend=backend,
+                          cache=CacheConfig(block_size=4, kv_cache_memory=64 * 4 * 2 * 2 * 32 * 4),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4))
+
+    async def run():
+        engine = await AsyncEngine.start(config, stats_interval=0)
+        try:
+            assert engine.core.backend.name == backend
+            return await asyncio.wait_for(_generate(engine, prompt_ids, 4), timeout=120)
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(run())
+
+
+def test_engine_serves_a_request_on_the_simulated_cuda_backend(tmp_path):
+    load_tiny(tmp_path, SPECS[0])
+    write_byte_tokenizer(tmp_path)
+    prompt = list(range(2, 22))  # 20 byte tokens: five blocks, two prefill chunks
+    on_cuda = _engine_tokens(tmp_path, "cuda", prompt)
+    assert len(on_cuda) == 4
+    assert on_cuda == _engine_tokens(tmp_path, "cpu", prompt)
+
+
+def test_backend_cuda_without_a_gpu_is_one_clear_line(tmp_path):
+    load_tiny(tmp_path, SPECS[0])
+    write_byte_tokenizer(tmp_path)
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
+    done = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "--backend", "cuda",
+                           "--model", str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    if "cupy" in sys.modules or _has_gpu():
+        pytest.fail("this test needs a machine without a GPU")
+    assert done.returncode == 2, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("kvserve: error: --backend cuda needs")
+    assert "--backend cpu" in lines[0]
+
+
+def _has_gpu() -> bool:
+    from kvserve.model.backend import cuda_device_present
+
+    return cuda_device_present()
