@@ -80,6 +80,7 @@ class ModelRunner:
                           for _ in range(model_config.num_hidden_layers)]
         self.states: dict[str, SamplingState] = {}
         self.input_batch = InputBatch(block_size)
+        self.xp = getattr(ops, "xp", np)  # the array module of the backend's arrays
         self._generator = np.random.default_rng(seed)
         #: Requests of a failed step: the step scheduled behind it (async
         #: scheduling) may still hold them; they are skipped until the
@@ -113,7 +114,7 @@ class ModelRunner:
             batch = replace(batch, logits_indices=np.concatenate([batch.logits_indices, extra]))
         t0 = time.perf_counter()
         hidden = self._forward(batch)
-        logits = self._logits(hidden[:num_sampled])
+        logits = self._sampling_logits(hidden[:num_sampled])
         t1 = time.perf_counter()
         self._gather_prompt_logprobs(prompt_rows, hidden[num_sampled:])
         output = self._sample(batch, logits)
@@ -164,6 +165,14 @@ class ModelRunner:
                     params.temperature, self.logprobs_mode))
             offset += len(rows)
 
+    def _sampling_logits(self, hidden):
+        """float32[R, V] logits of the sampled rows, left on the device (the
+        sampler runs on the backend's array module; only token ids and the
+        requested logprobs come back)."""
+        if self.xp is np:
+            return self._logits(hidden)
+        return self.model.compute_logits(hidden).astype(self.xp.float32)
+
     def _logits(self, hidden) -> np.ndarray:
         """float32[R, V] host logits of backend hidden states [R, H]."""
         return np.asarray(self.ops.to_numpy(self.model.compute_logits(hidden)), dtype=np.float32)
@@ -199,7 +208,7 @@ class ModelRunner:
 
     def _sample(self, batch: BatchInputs, logits: np.ndarray) -> ModelRunnerOutput:
         states = [self.states[rid] for rid in batch.sample_ids]
-        tokens, entries = sample(logits, states, self.logprobs_mode)
+        tokens, entries = sample(logits, states, self.logprobs_mode, self.xp)
         output = ModelRunnerOutput()
         for rid, state, token, entry in zip(batch.sample_ids, states, tokens, entries):
             state.append(token)  # keeps the penalty counts current

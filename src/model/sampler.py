@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import numpy as np
 
@@ -194,7 +195,7 @@ class _Pairs:
                             else np.zeros(0, dtype=np.float32) for c in self.values)
 
 
-def _penalize(logits: np.ndarray, states: Sequence[SamplingState]) -> None:
+def _penalize(logits: np.ndarray, states: Sequence[SamplingState], xp: ModuleType = np) -> None:
     """Logit bias, min_tokens, repetition and presence/frequency penalties in
     place on float32[R, V] ``logits`` (row r: ``states[r]``), all rows at once.
 
@@ -219,8 +220,8 @@ def _penalize(logits: np.ndarray, states: Sequence[SamplingState]) -> None:
             ids, n = state.output_token_counts()
             counts.add(r, ids, n, p.presence_penalty, p.frequency_penalty)
     if bias.rows or banned.rows or seen.rows or counts.rows:
-        kernels.apply_penalties(logits, bias.arrays(), banned.arrays(), seen.arrays(),
-                                counts.arrays())
+        kernels.apply_penalties(logits, *(tuple(xp.asarray(a) for a in pairs.arrays())
+                                          for pairs in (bias, banned, seen, counts)), xp=xp)
 
 
 def apply_penalties(logits: np.ndarray, state: SamplingState) -> None:
@@ -229,13 +230,15 @@ def apply_penalties(logits: np.ndarray, state: SamplingState) -> None:
     _penalize(logits[None, :], [state])
 
 
-def _warpers(params: Sequence[SamplingParams], vocab: int) -> kernels.Warpers:
-    """The warper settings of random rows as arrays (top_k -1 or >= V: 0, off)."""
-    return kernels.Warpers(np.array([p.temperature for p in params], dtype=np.float64),
-                           np.array([p.top_k if 0 < p.top_k < vocab else 0 for p in params],
-                                    dtype=np.int64),
-                           np.array([p.top_p for p in params], dtype=np.float64),
-                           np.array([p.min_p for p in params], dtype=np.float64))
+def _warpers(params: Sequence[SamplingParams], vocab: int, xp: ModuleType = np
+             ) -> kernels.Warpers:
+    """The warper settings of random rows as arrays of ``xp`` (top_k -1 or
+    >= V: 0, off)."""
+    return kernels.Warpers(xp.asarray([p.temperature for p in params], dtype=np.float64),
+                           xp.asarray([p.top_k if 0 < p.top_k < vocab else 0 for p in params],
+                                      dtype=np.int64),
+                           xp.asarray([p.top_p for p in params], dtype=np.float64),
+                           xp.asarray([p.min_p for p in params], dtype=np.float64))
 
 
 def sample_row(logits: np.ndarray, state: SamplingState) -> int:
@@ -246,21 +249,28 @@ def sample_row(logits: np.ndarray, state: SamplingState) -> int:
     return int(kernels.sample_random(logits[None, :], warpers, u)[0])
 
 
-def _entries(values: np.ndarray, token_ids: Sequence[int], ks: Sequence[int]
-             ) -> list[LogprobEntry]:
-    """Logprob entries of float64[R, V] ``values``: row r's value of
-    ``token_ids[r]`` and its ``ks[r]`` largest (descending, ties by lower id)."""
-    chosen = values[np.arange(len(token_ids)), np.asarray(token_ids, dtype=np.int64)].tolist()
+def _host(array) -> np.ndarray:
+    """A small array on the host (token ids): ``.get()`` for CuPy, as is for NumPy."""
+    return array.get() if hasattr(array, "get") else np.asarray(array)
+
+
+def _entries(values: np.ndarray, token_ids: Sequence[int], ks: Sequence[int],
+             xp: ModuleType = np) -> list[LogprobEntry]:
+    """Logprob entries of float64[R, V] ``values`` (an ``xp`` array): row r's
+    value of ``token_ids[r]`` and its ``ks[r]`` largest (descending, ties by
+    lower id). Only these numbers leave the device."""
+    rows = xp.arange(len(token_ids))
+    chosen = values[rows, xp.asarray(token_ids, dtype=np.int64)].tolist()
     kmax = min(max(ks, default=0), values.shape[1])
     if kmax <= 0:
         return [(lp, ()) for lp in chosen]
-    ids, vals = (a.tolist() for a in kernels.top_values(values, kmax))
+    ids, vals = (a.tolist() for a in kernels.top_values(values, kmax, xp))
     return [(lp, tuple(zip(i[:k], v[:k]))) for lp, i, v, k in zip(chosen, ids, vals, ks)]
 
 
-def _values(rows: np.ndarray, mode: str) -> np.ndarray:
+def _values(rows: np.ndarray, mode: str, xp: ModuleType = np) -> np.ndarray:
     """float64[R, V]: the logits themselves in ``raw_logits`` mode, else log-softmax."""
-    return rows.astype(np.float64) if mode == "raw_logits" else kernels.log_softmax(rows)
+    return rows.astype(np.float64) if mode == "raw_logits" else kernels.log_softmax(rows, xp)
 
 
 def top_logprobs(row: np.ndarray, token_id: int, k: int, mode: str) -> LogprobEntry:
@@ -295,14 +305,18 @@ def prompt_logprobs(logits: np.ndarray, target_ids: np.ndarray, k: int, temperat
 
 
 def sample(logits: np.ndarray, states: list[SamplingState],
-           logprobs_mode: str = "processed_logprobs") -> tuple[list[int], list[LogprobEntry | None]]:
+           logprobs_mode: str = "processed_logprobs", xp: ModuleType = np
+           ) -> tuple[list[int], list[LogprobEntry | None]]:
     """Sample one token per row.
 
     Args:
-        logits: float32[R, V], row r belongs to ``states[r]``. Modified in place.
+        logits: float32[R, V] array of ``xp`` (NumPy, or CuPy on the device:
+            then only token ids and the requested logprobs are copied back),
+            row r belongs to ``states[r]``. Modified in place.
         states: the rows' sampling states.
         logprobs_mode: ``processed_logprobs`` (after penalties and temperature,
             as the OpenAI reference describes), ``raw_logprobs`` or ``raw_logits``.
+        xp: the array module of ``logits``.
 
     Returns:
         (token ids, logprob entries; None where the request did not ask).
@@ -310,26 +324,26 @@ def sample(logits: np.ndarray, states: list[SamplingState],
     params = [s.params for s in states]
     asked = [r for r, p in enumerate(params) if p.logprobs is not None]
     raw = logits[asked] if asked and logprobs_mode.startswith("raw") else None  # a copy
-    _penalize(logits, states)
+    _penalize(logits, states, xp)
     temperature = np.array([p.temperature for p in params], dtype=np.float64)
     tokens = np.zeros(len(states), dtype=np.int64)
     greedy = np.flatnonzero(temperature == 0.0)
     if greedy.size:
-        tokens[greedy] = logits.argmax(axis=1)[greedy]
+        tokens[greedy] = _host(logits.argmax(axis=1))[greedy]
     rand = np.flatnonzero(temperature != 0.0)
     if rand.size:
-        u = np.array([states[r].generator.random() for r in rand])
-        warpers = _warpers([params[r] for r in rand], logits.shape[1])
-        x = logits if rand.size == len(states) else logits[rand]
-        tokens[rand] = kernels.sample_random(x, warpers, u)
+        u = xp.asarray([states[r].generator.random() for r in rand])
+        warpers = _warpers([params[r] for r in rand], logits.shape[1], xp)
+        x = logits if rand.size == len(states) else logits[xp.asarray(rand)]
+        tokens[rand] = _host(kernels.sample_random(x, warpers, u, xp))
     token_list = tokens.tolist()
     entries: list[LogprobEntry | None] = [None] * len(states)
     if asked:
         if raw is None:
-            scale = np.array([params[r].temperature or 1.0 for r in asked], dtype=np.float32)
+            scale = xp.asarray([params[r].temperature or 1.0 for r in asked], dtype=np.float32)
             raw = logits[asked] / scale[:, None]
-        got = _entries(_values(raw, logprobs_mode), [token_list[r] for r in asked],
-                       [params[r].logprobs or 0 for r in asked])
+        got = _entries(_values(raw, logprobs_mode, xp), [token_list[r] for r in asked],
+                       [params[r].logprobs or 0 for r in asked], xp)
         for r, entry in zip(asked, got):
             entries[r] = entry
     return token_list, entries
