@@ -52,7 +52,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false", help="turn automatic prefix caching off")
     p.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=None,
-                   help="token budget of one step (prefill chunks + decodes); default 256 on "
+                   help="token budget of one step (prefill chunks + decodes); default 128 on "
                         "the CPU backend (keeps decodes flowing while long prompts prefill), "
                         "2048 on CUDA")
     p.add_argument("--max-num-seqs", type=POSITIVE_INT, default=64, help="most sequences in one step")

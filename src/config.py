@@ -88,13 +88,17 @@ class CacheConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
 
-#: Default step token budget per backend. CPU: 256, from
+#: Default step token budget per backend. CPU: 128, from
 #: ``tools/bench_long_prefill.py`` on the 2-core machine (8 decoding streams
 #: while a 5,000-token prompt prefills): budgets 2048 / 1024 / 512 / 256 gave
 #: the streams an ITL p99 of 7.0 / 3.8 / 2.0 / 0.98 s and the long prompt a
-#: TTFT of 15.4 / 14.2 / 14.5 / 13.4 s, so the smallest budget is better on
-#: both counts there. CUDA: vLLM's usual 2048.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 256, "cuda": 2048}
+#: TTFT of 15.4 / 14.2 / 14.5 / 13.4 s (2026-11-30); with async scheduling
+#: (2026-12-01) 256 / 192 / 128 gave 1.13 / 1.26 / 0.70 s and 16.1 / 15.5 /
+#: 16.9 s. At 32 closed-loop clients 128 against 256 cost 4% (greedy) and 8%
+#: (sampled) of the output throughput and cut ITL p99 by 30%
+#: (``tools/bench_vs_llamacpp.py --skip-llamacpp --concurrency 32``).
+#: CUDA: vLLM's usual 2048.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 128, "cuda": 2048}
 
 
 @dataclass(frozen=True)
