@@ -43,6 +43,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
                    help="weights, activations and KV cache: auto = float32 on the CPU, "
                         "float16 on a GPU")
+    p.add_argument("--quantization", "-q", default="none", choices=["none", "int8", "w8a8"],
+                   help="int8: int8 weights with per-channel scales, float activations; "
+                        "w8a8: also int8 activations per token (CPU); embeddings, norms and "
+                        "the LM head stay float")
     p.add_argument("--kv-cache-memory", default="1GiB",
                    help="bytes for KV blocks on the CPU backend, e.g. 512MiB, 1GiB")
     p.add_argument("--gpu-memory-utilization", type=POSITIVE_FLOAT, default=0.9,
@@ -112,7 +116,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     cache = CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching)
-    return EngineConfig(model=model, backend=args.backend, dtype=args.dtype, cache=cache,
+    return EngineConfig(model=model, backend=args.backend, dtype=args.dtype,
+                        quantization=args.quantization, cache=cache,
                         scheduler=scheduler,
                         logprobs_mode=args.logprobs_mode, seed=args.seed,
                         num_threads=args.num_threads)

@@ -72,9 +72,13 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     tokenizer = Tokenizer(path)
     backend = create_backend(config)
     weights = load_weights(path, model_config, dtype=None)
-    weights_bytes = sum(array.size for array in weights.values()) * backend.dtype.itemsize
-    model = LlamaModel(model_config, weights, backend.ops)
+    float_bytes = sum(array.size for array in weights.values()) * backend.dtype.itemsize
+    model = LlamaModel(model_config, weights, backend.ops, config.quantization)
     del weights
+    weights_bytes = model.weights_nbytes
+    if config.quantization != "none":
+        _log_quantization(config.quantization, model_config, float_bytes, weights_bytes,
+                          backend.dtype.itemsize)
     requested = resolve_max_model_len(model_config, config.scheduler.max_model_len)
     kv_bytes = backend.kv_cache_bytes(model_config, weights_bytes, lambda: profile_forward(
         model, backend.ops, config.scheduler.max_num_batched_tokens, config.cache.block_size))
@@ -108,6 +112,18 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
              dtype=str(backend.dtype), weights_bytes=weights_bytes,
              seconds=round(time.monotonic() - t0, 3))
     return EngineCore(config, model_config, tokenizer, backend, runner, scheduler, plan, max_len)
+
+
+def _log_quantization(scheme: str, model: ModelConfig, float_bytes: int, weights_bytes: int,
+                      dtype_bytes: int) -> None:
+    """``quantization``: weight bytes before and after, and the KV tokens the
+    saved bytes would hold (at this model's KV bytes per token)."""
+    saved = float_bytes - weights_bytes
+    tokens = max(saved, 0) // model.kv_bytes_per_token(dtype_bytes)
+    log.info("quantization", message=f"Quantization {scheme}: weights {float_bytes / 2**20:,.1f} "
+             f"MiB -> {weights_bytes / 2**20:,.1f} MiB; the {saved / 2**20:,.1f} MiB saved hold "
+             f"{tokens:,} more KV tokens", quantization=scheme, float_weights_bytes=float_bytes,
+             weights_bytes=weights_bytes, kv_tokens_gained=tokens)
 
 
 class AsyncEngine:

@@ -47,6 +47,7 @@ SAMPLER_TESTS = ("tests/model/test_sampler.py", "tests/model/test_sampler_batche
 FORWARD_TESTS = ("tests/model/test_forward_reference.py",)
 KERNEL_TESTS = ("tests/cpu/test_kernels.py",) + FORWARD_TESTS
 CUDA_TESTS = ("tests/cuda/test_cuda_ops_conformance.py",)
+INT8_TESTS = ("tests/cpu/test_int8.py", "tests/model/test_quantization.py")
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,14 @@ MUTANTS: tuple[Mutant, ...] = (
            (("w = exp_sums[i, h, p] * math.exp(max_logits[i, h, p] - m_all)",
              "w = exp_sums[i, h, p]"),),
            CUDA_TESTS, "split-K reduction forgets to rescale each partition by exp(m_p - M)"),
+    Mutant("int8_weight_rounding", "model/quantization.py",
+           (("np.clip(np.rint(w / scales[:, None]), -INT8_MAX, INT8_MAX)",
+             "np.clip(np.trunc(w / scales[:, None]), -INT8_MAX, INT8_MAX)"),),
+           INT8_TESTS, "int8 weights truncated toward zero instead of rounded"),
+    Mutant("w8a8_group_scale", "cpu/int8.py",
+           (("total += np.float32(acc) * x_scales[m, g]",
+             "total += np.float32(acc) * x_scales[m, 0]"),),
+           INT8_TESTS, "w8a8 decode kernel scales every group by the first group's scale"),
 )
 
 

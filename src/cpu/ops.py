@@ -14,9 +14,10 @@ import threading
 import numba
 import numpy as np
 
-from kvserve.cpu import kernels
+from kvserve.cpu import int8, kernels
 from kvserve.cpu.prefill_attention import prefill_attention
 from kvserve.model.ops import build_rope_cache
+from kvserve.model.quantization import LinearWeight, QuantizedWeight
 
 __all__ = ["CpuOps", "build_rope_cache"]
 
@@ -154,12 +155,17 @@ class CpuOps:
             raise ValueError(f"embedding: token id out of range [0, {table.shape[0]})")
         return np.asarray(table[ids], dtype=_F32)
 
-    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-        """``x @ weight.T (+ bias)`` via BLAS sgemm (no transpose copy).
+    def linear(self, x: np.ndarray, weight: LinearWeight,
+               bias: np.ndarray | None = None) -> np.ndarray:
+        """``x @ weight.T (+ bias)`` via BLAS sgemm (no transpose copy), or the
+        int8 kernels of ``kvserve.cpu.int8`` for a ``QuantizedWeight``.
 
-        x: float32[T, in]; weight: float32[out, in]; bias: float32[out] or None.
-        Returns float32[T, out].  Raises ValueError on shape mismatch.
+        x: float32[T, in]; weight: float32[out, in] or a ``QuantizedWeight``;
+        bias: float32[out] or None. Returns float32[T, out].  Raises
+        ValueError on shape mismatch.
         """
+        if isinstance(weight, QuantizedWeight):
+            return self._linear_quantized(np.ascontiguousarray(x, dtype=_F32), weight, bias)
         x = np.asarray(x, dtype=_F32)
         if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
             raise ValueError(f"linear: x {x.shape} and weight {weight.shape} do not match "
@@ -172,6 +178,13 @@ class CpuOps:
                 raise ValueError(f"linear: bias shape {bias.shape}, expected ({weight.shape[0]},)")
             y += bias
         return y
+
+    def _linear_quantized(self, x: np.ndarray, weight: QuantizedWeight,
+                          bias: np.ndarray | None) -> np.ndarray:
+        product = int8.linear_w8a8 if weight.scheme == "w8a8" else int8.linear_int8
+        self._threads()
+        with _PARALLEL_REGION:
+            return product(x, weight.qweight, weight.scales, bias)
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """HF LlamaRMSNorm: float32[T, H], float32[H] -> new float32[T, H].

@@ -59,6 +59,9 @@ class CudaBackend:
         check_available()
         from kvserve.cuda.ops import CudaOps
 
+        if config.quantization == "w8a8":
+            raise ValueError("--quantization w8a8 is not implemented on the cuda backend yet; "
+                             "use int8 (weight-only)")
         self.config = config
         self.simulated = simulator_enabled()
         default = "float32" if self.simulated else "float16"

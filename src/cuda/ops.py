@@ -30,6 +30,7 @@ from numba import cuda
 
 from kvserve.cuda import kernels
 from kvserve.model.ops import build_rope_cache
+from kvserve.model.quantization import QuantizedWeight
 
 __all__ = ["AttentionPlan", "CudaOps", "array_module", "build_rope_cache",
            "check_attention_metadata"]
@@ -307,11 +308,17 @@ class CudaOps:
         """``x @ weight.T (+ bias)`` (PyTorch nn.Linear) by ``xp.matmul`` (cuBLAS on a GPU).
 
         x: [T, in]; weight: [out, in], x's dtype (float16/float32, any
-        strides); bias: [out] or None.  Returns a new [T, out] array of x's
-        dtype.  Under the simulator float16 products are computed in float32
-        and rounded (NumPy has no float16 GEMM).  Raises ValueError on a
-        shape or dtype mismatch.
+        strides), or an ``int8`` ``QuantizedWeight`` (``linear_int8``); bias:
+        [out] or None.  Returns a new [T, out] array of x's dtype.  Under the
+        simulator float16 products are computed in float32 and rounded (NumPy
+        has no float16 GEMM).  Raises ValueError on a shape or dtype mismatch,
+        or a ``w8a8`` weight (not implemented on this backend yet).
         """
+        if isinstance(weight, QuantizedWeight):
+            if weight.scheme != "int8":
+                raise ValueError(f"linear: {weight.scheme} is not implemented on the cuda "
+                                 "backend; use --quantization int8")
+            return self.linear_int8(x, weight.qweight, weight.scales, bias)
         self._float(x, "linear: x", "[T, in]", 2, contiguous=False)
         self._float(weight, "linear: weight", "[out, in]", 2, dtype=x.dtype, contiguous=False)
         if x.shape[1] != weight.shape[1]:

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvserve.config import ModelConfig
 from kvserve.model.ops import Ops, build_rope_cache
+from kvserve.model.quantization import LinearWeight, quantize_weight
 
 
 @dataclass(frozen=True)
@@ -65,14 +66,20 @@ class LlamaModel:
         config: the checkpoint's architecture.
         weights: Hugging Face-named float arrays (``kvserve.model.loader``).
         ops: the backend's kernels.
+        quantization: ``none``, ``int8`` or ``w8a8`` for the attention and MLP
+            projections (``kvserve.model.quantization``); embeddings, norms
+            and the LM head stay float.
 
     Raises:
         KeyError: a tensor the architecture needs is missing.
+        ValueError: an unknown quantization.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], ops: Ops,
+                 quantization: str = "none") -> None:
         self.config = config
         self.ops = ops
+        self.quantization = quantization
         self.embed_tokens = ops.to_device(weights["model.embed_tokens.weight"])
         self.final_norm = ops.to_device(weights["model.norm.weight"])
         if config.tie_word_embeddings:
@@ -95,15 +102,29 @@ class LlamaModel:
                 [w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"]))
         gate_up = np.concatenate([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]])
         to = self.ops.to_device
+
+        def linear(weight: np.ndarray) -> LinearWeight:
+            return quantize_weight(weight, self.quantization, to)
+
         return LayerWeights(
             input_norm=to(w[f"{p}input_layernorm.weight"]),
-            qkv=to(np.concatenate(attn)),
+            qkv=linear(np.concatenate(attn)),
             qkv_bias=bias,
-            o_proj=to(w[f"{p}self_attn.o_proj.weight"]),
+            o_proj=linear(w[f"{p}self_attn.o_proj.weight"]),
             post_norm=to(w[f"{p}post_attention_layernorm.weight"]),
-            gate_up=to(gate_up),
-            down=to(w[f"{p}mlp.down_proj.weight"]),
+            gate_up=linear(gate_up),
+            down=linear(w[f"{p}mlp.down_proj.weight"]),
         )
+
+    @property
+    def weights_nbytes(self) -> int:
+        """Bytes of every weight on the backend (a tied LM head counted once)."""
+        arrays = [self.embed_tokens, self.final_norm]
+        if self.lm_head is not self.embed_tokens:
+            arrays.append(self.lm_head)
+        for layer in self.layers:
+            arrays += [a for a in vars(layer).values() if a is not None]
+        return sum(int(a.nbytes) for a in arrays)
 
     def forward(self, input_ids: Any, positions: Any, attn: AttentionMetadata,
                 kv_caches: list[Any], logits_indices: Any) -> Any:

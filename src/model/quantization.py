@@ -1,0 +1,106 @@
+"""Weight quantization at load time: symmetric int8 per output channel.
+
+``--quantization`` schemes (vLLM's names where vLLM has them):
+
+- ``none``: float weights (the backend's dtype).
+- ``int8``: weight-only int8. Each linear layer's ``W [out, in]`` becomes
+  ``qweight int8[out, in]`` and ``scales float32[out]`` with
+  ``scale[n] = max_k |W[n, k]| / 127`` and ``qweight = round(W / scale)``
+  (round half to even), so ``W ~ qweight * scales[:, None]`` with an error of
+  at most ``scale / 2`` per element. Activations stay float (LLM.int8's
+  per-channel absmax scheme without its outlier path; Dettmers et al. 2022).
+- ``w8a8``: the same weights, and each activation row (token) quantized
+  dynamically to int8 with an absmax scale per group of 64 input channels
+  before int32-accumulated products (SmoothQuant's per-token / per-channel
+  symmetric scheme, Xiao et al. 2023, with group-wise activation scales
+  instead of its smoothing: one scale per token cost the default model 9.9%
+  of perplexity, groups of 64 cost 1.7%; ``kvserve.cpu.int8``).
+
+What stays float: embeddings, norms, biases, and the LM head. The LM head
+is tied to the embedding table in the default model (quantizing it would
+quantize the embeddings too), it is the layer whose errors move the
+sampled token directly, and it is one step's single largest product only
+when the batch is large; ``tools/quality.py`` is the gate for changing that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+QUANTIZATIONS = ("none", "int8", "w8a8")
+#: Largest magnitude of a symmetric int8 code.
+INT8_MAX = 127
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear layer's quantized weight: ``W ~ qweight * scales[:, None]``.
+
+    ``qweight``: int8[out, in]; ``scales``: float32[out] (backend arrays);
+    ``scheme``: ``int8`` (float activations) or ``w8a8`` (int8 activations,
+    quantized per token at run time).
+    """
+
+    qweight: Any
+    scales: Any
+    scheme: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out, in)``, as the dense weight's."""
+        return tuple(self.qweight.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of ``qweight`` and ``scales``."""
+        return int(self.qweight.nbytes + self.scales.nbytes)
+
+
+#: What ``Ops.linear`` accepts as its weight: a dense [out, in] array or a QuantizedWeight.
+LinearWeight = Any
+
+
+def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-output-channel int8 of float[out, in] ``w``.
+
+    Returns ``(qweight int8[out, in], scales float32[out])``. A row of zeros
+    gets scale 1 (and codes 0). Raises ``ValueError`` for a non-2-D or
+    non-finite ``w``.
+    """
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"quantize_int8: w must be 2-D [out, in], got shape {w.shape}")
+    if not np.isfinite(w).all():
+        raise ValueError("quantize_int8: w has non-finite values")
+    absmax = np.abs(w).max(axis=1)
+    scales = np.where(absmax > 0, absmax / INT8_MAX, 1.0).astype(np.float32)
+    qweight = np.clip(np.rint(w / scales[:, None]), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return qweight, scales
+
+
+def dequantize_int8(qweight: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float32[out, in] = ``qweight * scales[:, None]``."""
+    return qweight.astype(np.float32) * np.asarray(scales, dtype=np.float32)[:, None]
+
+
+def quantize_weight(w: np.ndarray, scheme: str, to_device) -> LinearWeight:
+    """``w`` float[out, in] as the layer weight of ``scheme`` on the backend
+    (``to_device``: host array -> backend array). ``none`` keeps it dense.
+    Raises ``ValueError`` for an unknown scheme."""
+    if scheme == "none":
+        return to_device(w)
+    if scheme not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {scheme!r}")
+    qweight, scales = quantize_int8(w)
+    # Through an int32 view: to_device keeps integer dtypes, while it would
+    # cast float32 scales to a float16 backend's dtype.
+    return QuantizedWeight(to_device(qweight), to_device(scales.view(np.int32)).view(np.float32),
+                           scheme)
+
+
+def weight_nbytes(weight: LinearWeight) -> int:
+    """Bytes a layer weight takes on the backend."""
+    return int(weight.nbytes)
