@@ -1,11 +1,9 @@
-"""Int8 matrix products on the CPU: weight-only int8 and W8A8, as Numba kernels.
+"""W8A8 matrix products on the CPU, with grouped activation scales, as Numba kernels.
+
+(Weight-only int8 is ``kvserve.cpu.quant_ops.linear_int8``.)
 
 ``y = x @ W.T`` (PyTorch nn.Linear) with ``W ~ qweight * scales[:, None]``
-(``kvserve.model.quantization``):
-
-- ``linear_int8``: float32 activations times int8 weights, float32
-  accumulation, one multiply by ``scales[n]`` per output.
-- ``linear_w8a8``: activations quantized dynamically to int8 per token and
+(``kvserve.model.quantization``). ``linear_w8a8``: activations quantized dynamically to int8 per token and
   per group of ``GROUP`` consecutive input channels, each group with its own
   absmax scale (SmoothQuant's dynamic per-token scheme, refined to groups as
   in per-group activation quantization: one scale per token alone cost the
@@ -14,18 +12,15 @@
   scaled by the group's activation scale and summed in float32, then times
   ``scales[n]``.
 
-Decode-sized batches (fewer than ``DENSE_MIN_ROWS`` rows) run the int8
-kernels below. Larger ones (prefill chunks) dequantize the weight -- and for
-``w8a8`` the quantized activations -- to float32 and use BLAS sgemm: the same
-values up to float32 rounding (int8 codes times scales), at sgemm speed; a
-tiled int8 prefill kernel that beats sgemm is still to be written.
+Decode-sized batches (fewer than ``DENSE_MIN_ROWS`` rows) run the kernel
+below. Larger ones (prefill chunks) dequantize the quantized activations and
+weights to float32 and use BLAS sgemm: the same values up to float32
+rounding, at sgemm speed; a tiled int8 prefill kernel is still to be written.
 
 Mapping: output channels are split across Numba threads (``prange`` over n);
 each thread reads a weight row once and takes its dot product with every
-activation row while the row is in L1, so the weight bytes -- the cost of a
-decode step -- are read once per step however many rows the batch has. The
-inner loops are plain reductions over k that LLVM vectorizes (``fastmath``
-for the float one: reassociation; the integer one is exact in any order).
+activation row while the row is in L1. The integer inner loop is exact in
+any order.
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-_FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
 #: Largest magnitude of a symmetric int8 code.
 INT8_MAX = 127
 #: Input channels per activation scale of ``linear_w8a8`` (a K that it does
@@ -43,19 +37,6 @@ GROUP = 64
 #: on the default model: the int8 kernels win for decode batches and lose
 #: from prefill-chunk sizes on).
 DENSE_MIN_ROWS = 16
-
-
-@njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH)
-def _int8_kernel(x, qweight, scales, out):  # pragma: no cover - compiled
-    """out[m, n] = scales[n] * sum_k x[m, k] * qweight[n, k] (float32 sums)."""
-    M, K = x.shape
-    for n in prange(qweight.shape[0]):
-        w = qweight[n]
-        for m in range(M):
-            acc = np.float32(0.0)
-            for k in range(K):
-                acc += x[m, k] * np.float32(w[k])
-            out[m, n] = acc * scales[n]
 
 
 @njit(nogil=True, cache=True)
@@ -88,7 +69,9 @@ def _w8a8_kernel(xq, x_scales, qweight, group, acc_out):  # pragma: no cover - c
             for g in range(K // group):
                 acc = np.int32(0)
                 for k in range(g * group, (g + 1) * group):
-                    acc += np.int32(xq[m, k]) * np.int32(w[k])
+                    # int32(...) keeps the sum in int32 (Numba types int32 *
+                    # int32 as int64, which LLVM then widens to 64-bit lanes).
+                    acc = np.int32(acc + np.int32(xq[m, k]) * np.int32(w[k]))
                 total += np.float32(acc) * x_scales[m, g]
             acc_out[m, n] = total
 
@@ -112,22 +95,6 @@ def _bias(y: np.ndarray, bias: np.ndarray | None, what: str) -> np.ndarray:
             raise ValueError(f"{what}: bias shape {bias.shape}, expected ({y.shape[1]},)")
         y += bias
     return y
-
-
-def linear_int8(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
-                bias: np.ndarray | None = None) -> np.ndarray:
-    """float32[M, N] = (x @ qweight.T) * scales (+ bias).
-
-    x: float32[M, K] C-contiguous; qweight: int8[N, K]; scales: float32[N];
-    bias: float32[N] or None. Raises ``ValueError`` naming the argument.
-    """
-    _check(x, qweight, scales, "linear_int8")
-    if x.shape[0] >= DENSE_MIN_ROWS:
-        out = x @ (qweight.astype(np.float32) * scales[:, None]).T
-    else:
-        out = np.empty((x.shape[0], qweight.shape[0]), dtype=np.float32)
-        _int8_kernel(x, qweight, scales, out)
-    return _bias(out, bias, "linear_int8")
 
 
 def group_size(k: int) -> int:
@@ -158,7 +125,9 @@ def linear_w8a8(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
                 bias: np.ndarray | None = None) -> np.ndarray:
     """float32[M, N]: ``x`` quantized per token and group, int32 products
     with ``qweight`` per group, scaled by both scales (+ bias). Same
-    arguments and errors as ``linear_int8``."""
+    arguments and errors as ``quant_ops.linear_int8``: x float32[M, K]
+    C-contiguous, qweight int8[N, K], scales float32[N], bias float32[N] or
+    None; ``ValueError`` naming the argument."""
     _check(x, qweight, scales, "linear_w8a8")
     group = group_size(x.shape[1])
     xq, x_scales = quantize_activations(x, group)

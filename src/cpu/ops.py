@@ -157,8 +157,9 @@ class CpuOps:
 
     def linear(self, x: np.ndarray, weight: LinearWeight,
                bias: np.ndarray | None = None) -> np.ndarray:
-        """``x @ weight.T (+ bias)`` via BLAS sgemm (no transpose copy), or the
-        int8 kernels of ``kvserve.cpu.int8`` for a ``QuantizedWeight``.
+        """``x @ weight.T (+ bias)`` via BLAS sgemm (no transpose copy), or for
+        a ``QuantizedWeight`` the int8 kernels of ``kvserve.cpu.quant_ops``
+        (weight-only) or ``kvserve.cpu.int8`` (w8a8, grouped activations).
 
         x: float32[T, in]; weight: float32[out, in] or a ``QuantizedWeight``;
         bias: float32[out] or None. Returns float32[T, out].  Raises
@@ -181,10 +182,14 @@ class CpuOps:
 
     def _linear_quantized(self, x: np.ndarray, weight: QuantizedWeight,
                           bias: np.ndarray | None) -> np.ndarray:
-        product = int8.linear_w8a8 if weight.scheme == "w8a8" else int8.linear_int8
+        if weight.scheme == "int8":
+            from kvserve.cpu import quant_ops  # imports this module's lock
+
+            return quant_ops.linear_int8(x, weight.qweight, weight.scales, bias,
+                                         num_threads=self._threads())
         self._threads()
         with _PARALLEL_REGION:
-            return product(x, weight.qweight, weight.scales, bias)
+            return int8.linear_w8a8(x, weight.qweight, weight.scales, bias)
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """HF LlamaRMSNorm: float32[T, H], float32[H] -> new float32[T, H].
