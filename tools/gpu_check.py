@@ -32,11 +32,12 @@ JSON and printed, and the rest still runs):
    max |out - ref| / max |ref|.  Bounds: float32 ``1e-5 * kappa``, where
    kappa = max(sum of |terms|) / max |ref| is the cancellation factor of a
    sum (1 for element-wise ops; reported); float16 adds the rounding of the
-   output, half an ulp (2**-11; four halves for cuBLAS, whose float16 GEMM
-   is not ours to bound as tightly: CuPy runs it with float32 accumulation).  The references take the inputs as stored (rounded to
-   the dtype), so input rounding is not counted.  embedding, write_kv and
-   int8 on integer-valued activations must be exact (bound 0): the int8
-   sums are integers below 2**24, so exact in float32 before scaling.
+   output, half an ulp (2**-11; four halves for cuBLAS, whose float16 GEMM,
+   float32-accumulated by CuPy, is not ours to bound as tightly).  The
+   references take the inputs as stored (rounded to the dtype), so input
+   rounding is not counted.  embedding, write_kv and int8 on integer-valued
+   activations must be exact (bound 0): the int8 sums are integers below
+   2**24, so exact in float32 before scaling.
 3. End to end: the default model (``ensure_default_model()``, or ``--model``)
    served by ``AsyncEngine`` with ``backend="cuda"``, greedy, on every golden
    prompt (``../shared/golden/smollm2_greedy.json``, or ``--golden`` /
@@ -69,9 +70,9 @@ quick: kernels run thread by thread on NumPy arrays, timings come from
 ``time.perf_counter`` and are labelled "simulator (not meaningful)", and the
 model sections are skipped unless ``--e2e`` (then with a 64-token step
 budget and longer timeouts: the engine takes minutes to start and every step
-tens of seconds; ``--golden-cases 1`` keeps it short).  ``--backend cpu`` runs
-the model sections on the CPU backend instead: a check of this script, not
-of the GPU.
+tens of seconds: ``--golden-cases 1`` took 17 minutes on 2 cores, throughput
+included).  ``--backend cpu`` runs the model sections on the CPU backend
+instead: a check of this script, not of the GPU.
 
 Installing on a GPU machine that cannot reach the package registry.  On a
 machine that can, with the same OS, CPU architecture and Python minor
@@ -994,6 +995,11 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _rate(value: float | None) -> str:
+    """Tokens/s: whole numbers with separators, three digits below 100."""
+    return "-" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def markdown_table(kernels: dict) -> str:
     lines = [f"Kernels (timing: {kernels.get('timing')}; copy "
              f"{_fmt(kernels.get('copy', {}).get('GB_s'), '.1f')} GB/s)", "",
@@ -1066,18 +1072,19 @@ def throughput_lines(e2e: dict) -> list[str]:
     if tp is None:
         return ["throughput: not measured"]
     dtype, t = tp
-    lines = [f"throughput ({e2e.get('backend')} {dtype}; {t['method']}):"]
+    where = "simulator (not meaningful)" if simulator_enabled() else e2e.get("backend")
+    lines = [f"throughput ({where} {dtype}; {t['method']}):"]
     for key, r in t.items():
         if key.startswith("decode_batch_"):
             batch = key.removeprefix("decode_batch_")
             lines.append(f"  decode batch {batch}: " + (
                 r.get("error") or r.get("skipped") or
-                f"{_fmt(r['steady_tok_s'], ',.0f')} tok/s steady "
-                f"({r['overall_tok_s']:,.0f} overall incl. prefill, TTFT median "
+                f"{_rate(r['steady_tok_s'])} tok/s steady "
+                f"({_rate(r['overall_tok_s'])} overall incl. prefill, TTFT median "
                 f"{r['ttft_s_median'] * 1e3:,.0f} ms)"))
     p = t.get("prefill", {})
     lines.append("  prefill: " + (p.get("error") or
-                                  f"{p['prompt_tokens']:,}-token prompt: {p['tok_s']:,.0f} tok/s "
+                                  f"{p['prompt_tokens']:,}-token prompt: {_rate(p['tok_s'])} tok/s "
                                   f"(TTFT median {p['ttft_s'] * 1e3:,.0f} ms)"))
     return lines
 
@@ -1149,6 +1156,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick or simulated else FULL
     out_path = Path(args.out)
     log_path = out_path.with_name(out_path.name + ".log")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     from kvserve.log import configure_logging
     log_file = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - open until exit
     configure_logging("json", "info", stream=log_file)
