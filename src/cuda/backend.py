@@ -50,7 +50,8 @@ class CudaBackend:
     """Float16 (or float32) kernels on the device.
 
     Raises ``BackendUnavailable`` when there is neither a device nor the
-    simulator, and ``ValueError`` for a dtype other than float16/float32.
+    simulator, and ``ValueError`` for a dtype other than float16/float32 or
+    for ``--quantization q4`` (no CUDA kernels for GGUF blocks yet).
     """
 
     name = "cuda"
@@ -59,9 +60,9 @@ class CudaBackend:
         check_available()
         from kvserve.cuda.ops import CudaOps
 
-        if config.quantization == "w8a8":
-            raise ValueError("--quantization w8a8 is not implemented on the cuda backend yet; "
-                             "use int8 (weight-only)")
+        if config.quantization == "q4":
+            raise ValueError("--quantization q4 (GGUF blocks) runs on the cpu backend only; "
+                             "on cuda use int8 or w8a8")
         self.config = config
         self.simulated = simulator_enabled()
         default = "float32" if self.simulated else "float16"

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32
+from numba import cuda, float32, int32
 
 #: Largest 1-D block a launch may use: sizes the shared reduction buffers.
 MAX_BLOCK_THREADS = 256
@@ -49,6 +49,12 @@ GEMV_MAX_K_THREADS = MAX_BLOCK_THREADS // GEMV_OUT_TILE
 MATMUL_TILE = 16
 #: Shared tiles get one extra column so that reading a column does not hit one bank.
 _PADDED_TILE = MATMUL_TILE + 1
+#: Input channels per activation scale of the W8A8 matmul (a K that it does
+#: not divide gets one group per row); equal to ``kvserve.cpu.int8.GROUP``,
+#: a multiple of every tile edge up to MATMUL_TILE.
+W8A8_GROUP = 64
+#: Largest magnitude of a symmetric int8 code.
+INT8_MAX = 127
 
 _NEG_INF = float32(-math.inf)
 _ZERO = float32(0.0)
@@ -418,6 +424,23 @@ def prefill_attention_kernel(q, kv_cache, block_tables, tile_seq, tile_t0, tile_
 # --------------------------------------------------------------------------- #
 
 
+@cuda.jit(device=True)
+def _fold_lanes(partial, acc, T, o, n_out, scales, bias, out):
+    """GEMV epilogue: sum each row's per-lane partials of output channel ``o``
+    (lanes along threadIdx.x, channels along threadIdx.y) through shared
+    ``partial``; out[t, o] = sum * scales[o] + bias[o]. All threads must call it."""
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    for t in range(T):
+        partial[ty, t, tx] = acc[t]
+    cuda.syncthreads()
+    if o < n_out:
+        for t in range(tx, T, cuda.blockDim.x):
+            total = _ZERO
+            for lane in range(cuda.blockDim.x):
+                total += partial[ty, t, lane]
+            out[t, o] = total * scales[o] + bias[o]
+
+
 @cuda.jit
 def int8_gemv_kernel(x, w_q, scales, bias, out):
     """Few-row int8 matmul: out[t, o] = scales[o] * sum_k x[t, k] w_q[o, k] + bias[o].
@@ -444,15 +467,7 @@ def int8_gemv_kernel(x, w_q, scales, bias, out):
             w = float32(w_q[o, k])
             for t in range(T):
                 acc[t] += float32(x[t, k]) * w
-    for t in range(T):
-        partial[ty, t, tx] = acc[t]
-    cuda.syncthreads()
-    if o < w_q.shape[0]:
-        for t in range(tx, T, lanes):
-            total = _ZERO
-            for lane in range(lanes):
-                total += partial[ty, t, lane]
-            out[t, o] = total * scales[o] + bias[o]
+    _fold_lanes(partial, acc, T, o, w_q.shape[0], scales, bias, out)
 
 
 @cuda.jit
@@ -486,3 +501,115 @@ def int8_matmul_tiled_kernel(x, w_q, scales, bias, out):
         cuda.syncthreads()
     if row < T and col < N:
         out[row, col] = acc * scales[col] + bias[col]
+
+
+# --------------------------------------------------------------------------- #
+# W8A8 matmul: int8 activations per (token, group), exact int32 group sums
+# y = scales * sum_g x_scales[:, g] * (xq[:, group g] @ w_q[:, group g].T) + bias
+# --------------------------------------------------------------------------- #
+
+
+@cuda.jit
+def quantize_groups_kernel(x, group, xq, x_scales):
+    """Symmetric int8 per (row, group): x_scales[t, g] = max|x[t, group g]| / 127
+    (1 for an all-zero group), xq = clip(rint(x / x_scales), -127, 127).
+
+    x: [T, K] float16/float32; group: channels per scale (divides K);
+    xq: int8[T, K]; x_scales: float32[T, K // group].  As
+    ``kvserve.cpu.int8._quantize_groups`` (bit for bit on the same x): the
+    code is rint(x * (1 / scale)), round half to even, in float32.
+    Mapping: grid (T, K // group), threads stride over the group; one block
+    max reduction.
+    """
+    buf = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+    t, g = cuda.blockIdx.x, cuda.blockIdx.y
+    k0 = g * group
+    local = _ZERO
+    for k in range(k0 + cuda.threadIdx.x, k0 + group, cuda.blockDim.x):
+        local = _max(local, abs(float32(x[t, k])))
+    absmax = _block_max(buf, local)
+    scale = absmax / float32(INT8_MAX) if absmax > _ZERO else _ONE
+    inv = _ONE / scale
+    for k in range(k0 + cuda.threadIdx.x, k0 + group, cuda.blockDim.x):
+        q = round(float32(x[t, k]) * inv)  # round half to even (llrint on a GPU)
+        xq[t, k] = _min(_max(q, -INT8_MAX), INT8_MAX)
+    if cuda.threadIdx.x == 0:
+        x_scales[t, g] = scale
+
+
+@cuda.jit
+def w8a8_gemv_kernel(xq, x_scales, group, w_q, scales, bias, out):
+    """Few-row W8A8 matmul: out[t, o] = scales[o] * sum_g x_scales[t, g] *
+    acc[t, o, g] + bias[o], acc the exact int32 sum over group g of
+    xq[t, k] * w_q[o, k].
+
+    xq: int8[T, K], T <= GEMV_MAX_ROWS; x_scales: float32[T, K // group];
+    w_q: int8[N, K]; scales, bias: float32[N]; out: [T, N], float16/float32.
+    Each group's int32 sum is converted to float32 once (exact below 2**24),
+    times its activation scale, the groups summed in float32.
+    Mapping: grid (ceil(N / GEMV_OUT_TILE),), block (k_threads, GEMV_OUT_TILE):
+    threadIdx.y picks an output channel, the threadIdx.x lanes stride over
+    whole groups (each lane reads a group's weights once for all T rows),
+    then one barrier and lane t folds row t's partial sums.
+    """
+    partial = cuda.shared.array((GEMV_OUT_TILE, GEMV_MAX_ROWS, GEMV_MAX_K_THREADS), float32)
+    acc = cuda.local.array(GEMV_MAX_ROWS, float32)
+    iacc = cuda.local.array(GEMV_MAX_ROWS, int32)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    lanes = cuda.blockDim.x
+    T, K = xq.shape
+    o = cuda.blockIdx.x * GEMV_OUT_TILE + ty
+    for t in range(T):
+        acc[t] = _ZERO
+    if o < w_q.shape[0]:
+        for g in range(tx, K // group, lanes):
+            for t in range(T):
+                iacc[t] = 0
+            for k in range(g * group, (g + 1) * group):
+                w = int32(w_q[o, k])
+                for t in range(T):
+                    iacc[t] = int32(iacc[t] + int32(xq[t, k]) * w)
+            for t in range(T):
+                acc[t] += float32(iacc[t]) * x_scales[t, g]
+    _fold_lanes(partial, acc, T, o, w_q.shape[0], scales, bias, out)
+
+
+@cuda.jit
+def w8a8_matmul_tiled_kernel(xq, x_scales, group, w_q, scales, bias, out):
+    """Many-row W8A8 matmul (same formula and arguments as :func:`w8a8_gemv_kernel`, any T).
+
+    Mapping: grid (ceil(N / tile), ceil(T / tile)), block (tile, tile) with
+    tile = blockDim.x <= MATMUL_TILE, and group a multiple of tile or K
+    itself: thread (tx, ty) computes out[row0 + ty, col0 + tx].  Per step of
+    ``tile`` along K the block stages an xq tile and a weight tile (as
+    int32) in shared memory, barrier, ``tile`` integer multiply-adds per
+    thread, barrier; at the step that ends a group the thread adds its int32
+    sum, times the row's group scale, to a float32 total and restarts it.
+    """
+    x_tile = cuda.shared.array((MATMUL_TILE, _PADDED_TILE), int32)
+    w_tile = cuda.shared.array((MATMUL_TILE, _PADDED_TILE), int32)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    tile = cuda.blockDim.x
+    T, K = xq.shape
+    N = w_q.shape[0]
+    row = cuda.blockIdx.y * tile + ty
+    col = cuda.blockIdx.x * tile + tx
+    w_row = cuda.blockIdx.x * tile + ty  # the weight row this thread loads
+    total = _ZERO
+    iacc = int32(0)
+    g = 0
+    for k0 in range(0, K, tile):
+        k = k0 + tx
+        x_tile[ty, tx] = int32(xq[row, k]) if row < T and k < K else int32(0)
+        w_tile[ty, tx] = int32(w_q[w_row, k]) if w_row < N and k < K else int32(0)
+        cuda.syncthreads()
+        for kk in range(tile):
+            iacc = int32(iacc + x_tile[ty, kk] * w_tile[tx, kk])
+        cuda.syncthreads()
+        if k0 + tile >= (g + 1) * group:  # this step ends group g
+            if row < T:
+                total += float32(iacc) * x_scales[row, g]
+            iacc = int32(0)
+            g += 1
+    if row < T and col < N:
+        out[row, col] = total * scales[col] + bias[col]

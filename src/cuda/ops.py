@@ -7,8 +7,8 @@ Numba is first imported), where the same kernels run thread by thread in
 Python; that is how ``tests/cuda`` run on machines without a GPU.  Kernels are
 launched on the arrays directly (CuPy arrays reach Numba through
 ``__cuda_array_interface__``) on CuPy's current stream.  Dense float products
-are ``xp.matmul`` (cuBLAS through CuPy); int8 weight-only products are our
-kernels (:meth:`CudaOps.linear_int8`).
+are ``xp.matmul`` (cuBLAS through CuPy); int8 weight-only and W8A8 products
+are our kernels (:meth:`CudaOps.linear_int8`, :meth:`CudaOps.linear_w8a8`).
 
 Every wrapper checks its arguments before a launch (a kernel cannot raise on a
 GPU and does no bounds checking): array type, shape, dtype, contiguity, and
@@ -308,17 +308,19 @@ class CudaOps:
         """``x @ weight.T (+ bias)`` (PyTorch nn.Linear) by ``xp.matmul`` (cuBLAS on a GPU).
 
         x: [T, in]; weight: [out, in], x's dtype (float16/float32, any
-        strides), or an ``int8`` ``QuantizedWeight`` (``linear_int8``); bias:
-        [out] or None.  Returns a new [T, out] array of x's dtype.  Under the
+        strides), or a ``QuantizedWeight``: scheme ``int8``
+        (:meth:`linear_int8`) or ``w8a8`` (:meth:`linear_w8a8`); bias: [out]
+        or None.  Returns a new [T, out] array of x's dtype.  Under the
         simulator float16 products are computed in float32 and rounded (NumPy
         has no float16 GEMM).  Raises ValueError on a shape or dtype mismatch,
-        or a ``w8a8`` weight (not implemented on this backend yet).
+        or an unknown quantization scheme.
         """
         if isinstance(weight, QuantizedWeight):
-            if weight.scheme != "int8":
-                raise ValueError(f"linear: {weight.scheme} is not implemented on the cuda "
-                                 "backend; use --quantization int8")
-            return self.linear_int8(x, weight.qweight, weight.scales, bias)
+            if weight.scheme == "int8":
+                return self.linear_int8(x, weight.qweight, weight.scales, bias)
+            if weight.scheme == "w8a8":
+                return self.linear_w8a8(x, weight.qweight, weight.scales, bias)
+            raise ValueError(f"linear: unknown quantization scheme {weight.scheme!r}")
         self._float(x, "linear: x", "[T, in]", 2, contiguous=False)
         self._float(weight, "linear: weight", "[out, in]", 2, dtype=x.dtype, contiguous=False)
         if x.shape[1] != weight.shape[1]:
@@ -347,20 +349,8 @@ class CudaOps:
         shared-memory tiled kernel.  Raises ValueError on a bad array or a
         shape mismatch.
         """
-        x = self._float(x, "linear_int8: x", "[T, in]", 2)
-        if (not isinstance(weight_q, self.xp.ndarray) or weight_q.dtype != np.int8
-                or weight_q.ndim != 2 or not weight_q.flags.c_contiguous
-                or weight_q.shape[1] != x.shape[1]):
-            raise ValueError(f"linear_int8: weight_q must be a C-contiguous [out, {x.shape[1]}] "
-                             f"int8 {self.xp.__name__} array, got {_describe(weight_q)}")
+        x, bias = self._int8_operands("linear_int8", x, weight_q, scales, bias)
         n_out = weight_q.shape[0]
-        for what, a in (("scales", scales), ("bias", bias)):
-            if a is not None:
-                self._float(a, f"linear_int8: {what}", f"[{n_out}]", 1, dtype=np.float32)
-                if a.shape != (n_out,):
-                    raise ValueError(f"linear_int8: {what} shape {a.shape}, expected ({n_out},)")
-        if bias is None:
-            bias = self.xp.zeros(n_out, np.float32)
         T = x.shape[0]
         out = self.xp.empty((T, n_out), x.dtype)
         if T <= kernels.GEMV_MAX_ROWS:
@@ -375,6 +365,71 @@ class CudaOps:
             self._launch(kernels.int8_matmul_tiled_kernel, grid, (tile, tile),
                          x, weight_q, scales, bias, out)
         return out
+
+    def linear_w8a8(self, x: Any, weight_q: Any, scales: Any, bias: Any | None = None) -> Any:
+        """W8A8 matmul: ``x`` quantized to int8 per token and group of input
+        channels, exact int32 products with ``weight_q``, both scales applied.
+
+        SmoothQuant's dynamic per-token activations with per-channel int8
+        weights (Xiao et al. 2023), with one activation scale per group of
+        ``kernels.W8A8_GROUP`` consecutive input channels (K gets one group
+        per row when the group does not divide it), as ``kvserve.cpu.int8``:
+        ``x_scales[t, g] = max|x[t, group g]| / 127`` (1 for a zero group),
+        ``xq = clip(rint(x / x_scales), -127, 127)``, and
+        ``y[t, n] = scales[n] * sum_g x_scales[t, g] * acc[t, n, g] (+ bias[n])``
+        with ``acc`` the exact int32 sum over group g of ``xq * weight_q``
+        (exact in float32 below 2**24: a group of 64 is at most 64 * 127**2),
+        the groups summed in float32.
+
+        x: C-contiguous float16/float32 [T, in]; weight_q: C-contiguous
+        int8 [out, in]; scales: float32[out] (per output channel); bias:
+        float32[out] or None.  Returns a new [T, out] array of x's dtype.
+        One kernel quantizes x (grid: rows x groups); then T <=
+        ``kernels.GEMV_MAX_ROWS`` takes the W8A8 GEMV kernel, more rows the
+        shared-memory tiled kernel.  Raises ValueError on a bad array or a
+        shape mismatch.
+        """
+        x, bias = self._int8_operands("linear_w8a8", x, weight_q, scales, bias)
+        (T, K), n_out = x.shape, weight_q.shape[0]
+        group = kernels.W8A8_GROUP if K % kernels.W8A8_GROUP == 0 else K
+        n_groups = K // group
+        xq = self.xp.empty((T, K), np.int8)
+        x_scales = self.xp.empty((T, n_groups), np.float32)
+        self._launch(kernels.quantize_groups_kernel, (T, n_groups), (self._threads(group),),
+                     x, group, xq, x_scales)
+        out = self.xp.empty((T, n_out), x.dtype)
+        args = (xq, x_scales, group, weight_q, scales, bias, out)
+        if T <= kernels.GEMV_MAX_ROWS:
+            lanes = self._threads(n_groups, cap=kernels.GEMV_MAX_K_THREADS)
+            lanes = max(1, min(lanes, self.max_threads // kernels.GEMV_OUT_TILE))
+            grid = (-(-n_out // kernels.GEMV_OUT_TILE),)
+            self._launch(kernels.w8a8_gemv_kernel, grid, (lanes, kernels.GEMV_OUT_TILE), *args)
+        else:
+            tile = self._matmul_tile()  # a power of two <= 16: divides W8A8_GROUP
+            grid = (-(-n_out // tile), -(-T // tile))
+            self._launch(kernels.w8a8_matmul_tiled_kernel, grid, (tile, tile), *args)
+        return out
+
+    def _int8_operands(self, what: str, x: Any, weight_q: Any, scales: Any,
+                       bias: Any | None) -> tuple[Any, Any]:
+        """Check the operands of an int8 matmul (see :meth:`linear_int8`);
+        returns ``(x, bias)``, a None bias as zeros.  Raises ValueError
+        naming ``what`` and the argument."""
+        x = self._float(x, f"{what}: x", "[T, in]", 2)
+        if (not isinstance(weight_q, self.xp.ndarray) or weight_q.dtype != np.int8
+                or weight_q.ndim != 2 or not weight_q.flags.c_contiguous
+                or weight_q.shape[1] != x.shape[1]):
+            raise ValueError(f"{what}: weight_q must be a C-contiguous [out, {x.shape[1]}] "
+                             f"int8 {self.xp.__name__} array, got {_describe(weight_q)}")
+        n_out = weight_q.shape[0]
+        for name, a in (("scales", scales), ("bias", bias)):
+            if a is not None:
+                self._float(a, f"{what}: {name}", f"[{n_out}]", 1, dtype=np.float32)
+                if a.shape != (n_out,):
+                    raise ValueError(f"{what}: {name} shape {a.shape}, expected ({n_out},)")
+        if bias is None:
+            bias = self.xp.zeros(n_out, np.float32)
+        return x, bias
 
     def _matmul_tile(self) -> int:
         """Edge of the tiled matmul's square block: the largest power of two
@@ -635,4 +690,5 @@ class CudaOps:
         wq = to(np.ones((4, 4), np.int8))
         for rows in (1, kernels.GEMV_MAX_ROWS + 1):
             self.linear_int8(to(np.ones((rows, 4))), wq, self.xp.ones(4, np.float32))
+            self.linear_w8a8(to(np.ones((rows, 4))), wq, self.xp.ones(4, np.float32))
 
