@@ -248,11 +248,29 @@ def paged_attention_kernel(q, kv_cache, block_tables, seq_lens, query_start_loc,
     threads so causal prefill tiles balance.
     Raises ValueError on inconsistent metadata or block ids out of range.
     """
-    T, nh, hd = q.shape
+    plan = _plan_tiles(q, kv_cache, block_tables, seq_lens, query_start_loc, tile_q)
+    n_workers = max(1, min(n_threads, plan[4].shape[0] * kv_cache.shape[3]))
+    for w in prange(n_workers):
+        _attend_share(w, n_workers, plan, q, kv_cache, block_tables, scale, out)
+
+
+@njit(nogil=True, cache=True)
+def paged_attention_kernel_serial(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                                  tile_q, out):
+    """:func:`paged_attention_kernel` on the calling thread alone: no Numba
+    parallel region, whose entry (50-120 us) costs more than a few decode
+    rows' attention. Same arguments but ``n_threads``."""
+    plan = _plan_tiles(q, kv_cache, block_tables, seq_lens, query_start_loc, tile_q)
+    _attend_share(0, 1, plan, q, kv_cache, block_tables, scale, out)
+
+
+@njit(nogil=True, cache=True)
+def _plan_tiles(q, kv_cache, block_tables, seq_lens, query_start_loc, tile_q):
+    """Validate the metadata and cut it into query tiles: ``(tile_seq, tile_t0,
+    tile_nq, tile_pos0, order)``, ``order`` the tiles longest first."""
+    T = q.shape[0]
     nb = kv_cache.shape[0]
     bs = kv_cache.shape[2]
-    nkv = kv_cache.shape[3]
-    group = nh // nkv
     S = seq_lens.shape[0]
     max_blocks = block_tables.shape[1]
 
@@ -299,24 +317,28 @@ def paged_attention_kernel(q, kv_cache, block_tables, seq_lens, query_start_loc,
             cost[i] = nq * (tile_pos0[i] + nq)
             i += 1
             t += nq
-    # Balance: sort the (tile, kv head) items by cost, deal them to the
-    # workers in snake order, one prange iteration per worker (Numba's
-    # scheduler splits a prange into equal contiguous chunks, which would give
-    # all the long causal tiles to one thread).
-    order = np.argsort(-cost)  # longest first
-    n_items = n_tiles * nkv
-    n_workers = max(1, min(n_threads, n_items))
-    for w in prange(n_workers):
-        k = 0
-        while True:
-            rnd = k // n_workers
-            lane = k - rnd * n_workers
-            mine = lane if rnd % 2 == 0 else n_workers - 1 - lane
-            if k >= n_items:
-                break
-            if mine == w:
-                ti = order[k // nkv]
-                kvh = k % nkv
-                _attend_tile(q, kv_cache, block_tables[tile_seq[ti]], scale, tile_t0[ti],
-                             tile_nq[ti], tile_pos0[ti], kvh, group, out)
-            k += 1
+    return tile_seq, tile_t0, tile_nq, tile_pos0, np.argsort(-cost)
+
+
+@njit(nogil=True, cache=True)
+def _attend_share(w, n_workers, plan, q, kv_cache, block_tables, scale, out):
+    """Worker w's share of the (tile, kv head) items, dealt longest first in
+    snake order (Numba's scheduler splits a prange into equal contiguous
+    chunks, which would give all the long causal tiles to one thread)."""
+    tile_seq, tile_t0, tile_nq, tile_pos0, order = plan
+    nkv = kv_cache.shape[3]
+    group = q.shape[1] // nkv
+    n_items = order.shape[0] * nkv
+    k = 0
+    while True:
+        rnd = k // n_workers
+        lane = k - rnd * n_workers
+        mine = lane if rnd % 2 == 0 else n_workers - 1 - lane
+        if k >= n_items:
+            break
+        if mine == w:
+            ti = order[k // nkv]
+            kvh = k % nkv
+            _attend_tile(q, kv_cache, block_tables[tile_seq[ti]], scale, tile_t0[ti],
+                         tile_nq[ti], tile_pos0[ti], kvh, group, out)
+        k += 1

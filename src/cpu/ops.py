@@ -24,6 +24,12 @@ __all__ = ["CpuOps", "build_rope_cache"]
 _F32 = np.float32
 #: New tokens from which a sequence's attention takes the BLAS prefill path.
 PREFILL_MIN_QUERIES = 16
+#: Attention of less work than this (new tokens x context x heads x head_dim,
+#: summed over sequences) runs serially: entering a Numba parallel region
+#: costs 50-120 us, more than the attention of a few decode rows (measured
+#: on 2 cores, 9 heads of 64: one row at 300 tokens 30 us serial, 102 us
+#: parallel; the two cross between 1.4 M and 2.8 M of this product).
+ATTENTION_PARALLEL_MIN_MACS = 1 << 21
 
 
 def _check_prefill_metadata(bt: np.ndarray, sl: np.ndarray, qsl: np.ndarray, T: int,
@@ -187,9 +193,8 @@ class CpuOps:
 
             return quant_ops.linear_int8(x, weight.qweight, weight.scales, bias,
                                          num_threads=self._threads())
-        self._threads()
-        with _PARALLEL_REGION:
-            return int8.linear_w8a8(x, weight.qweight, weight.scales, bias)
+        return int8.linear_w8a8(x, weight.qweight, weight.scales, bias,
+                                num_threads=self._threads())
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """HF LlamaRMSNorm: float32[T, H], float32[H] -> new float32[T, H].
@@ -355,12 +360,20 @@ class CpuOps:
 
     def _attention_kernel(self, q: np.ndarray, kv_cache: np.ndarray, bt: np.ndarray,
                           sl: np.ndarray, qsl: np.ndarray, scale: float, out: np.ndarray) -> None:
-        """The parallel Numba kernel, one caller at a time in the process:
-        the workqueue threading layer aborts the process when two threads
-        (two engines' workers) enter parallel regions at once."""
+        """The Numba kernel: serial below ``ATTENTION_PARALLEL_MIN_MACS``
+        (a parallel region costs more than that), else parallel, one caller
+        at a time in the process: the workqueue threading layer aborts the
+        process when two threads (two engines' workers) enter parallel
+        regions at once."""
+        threads = self._threads()
+        macs = int(np.dot(np.diff(qsl).astype(np.int64), sl)) * q.shape[1] * q.shape[2]
+        if threads == 1 or macs < ATTENTION_PARALLEL_MIN_MACS:
+            kernels.paged_attention_kernel_serial(q, kv_cache, bt, sl, qsl, np.float32(scale),
+                                                  self.tile_q, out)
+            return
         with _PARALLEL_REGION:
             kernels.paged_attention_kernel(q, kv_cache, bt, sl, qsl, np.float32(scale),
-                                           self.tile_q, self._threads(), out)
+                                           self.tile_q, threads, out)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_dim: int) -> np.ndarray:

@@ -3,11 +3,14 @@ the dense reference (kvserve.model.reference)."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvserve.cpu import ops as cpu_ops
 from kvserve.cpu.ops import CpuOps
 from kvserve.model.ops import build_rope_cache
 from kvserve.model.reference import reference_attention
@@ -60,17 +63,24 @@ def build_paged_batch(rng, seqs, nh, nkv, hd, bs, pad_tokens=0, extra_cols=2):
     return q, cache, bt, seq_lens, qsl, dense
 
 
-#: Routes of CpuOps.paged_attention: every sequence through the Numba kernel,
-#: every sequence through the BLAS prefill path, and the default split.
-ROUTES = {"numba": 10**9, "blas": 1, "split": None}
+#: Routes of CpuOps.paged_attention: every sequence through the Numba kernel
+#: (its serial and its parallel driver), every sequence through the BLAS
+#: prefill path, and the default split. Values: (prefill_min_queries,
+#: ATTENTION_PARALLEL_MIN_MACS), None for the default.
+ROUTES = {"numba": (10**9, 10**18), "numba_parallel": (10**9, 0), "blas": (1, None),
+          "split": (None, None)}
 
 
 def check_attention(seqs, nh, nkv, hd, bs, tile_q=16, seed=0, pad_tokens=0, route="split"):
     rng = np.random.default_rng(seed)
     q, cache, bt, seq_lens, qsl, dense = build_paged_batch(rng, seqs, nh, nkv, hd, bs, pad_tokens)
     scale = hd ** -0.5
-    extra = {} if ROUTES[route] is None else {"prefill_min_queries": ROUTES[route]}
-    out = CpuOps(tile_q=tile_q, **extra).paged_attention(q, cache, bt, seq_lens, qsl, scale)
+    min_queries, min_macs = ROUTES[route]
+    extra = {} if min_queries is None else {"prefill_min_queries": min_queries}
+    threshold = cpu_ops.ATTENTION_PARALLEL_MIN_MACS if min_macs is None else min_macs
+    with mock.patch.object(cpu_ops, "ATTENTION_PARALLEL_MIN_MACS", threshold):
+        out = CpuOps(tile_q=tile_q, num_threads=2, **extra).paged_attention(
+            q, cache, bt, seq_lens, qsl, scale)
     assert out.shape == q.shape and out.dtype == np.float32
     for s, (k, v) in enumerate(dense):
         a, b = qsl[s], qsl[s + 1]
@@ -118,7 +128,7 @@ def test_paged_attention_random_batches(seqs, heads, hd, bs, tile_q, seed, route
 
 @pytest.mark.parametrize("route", ["numba", "blas"])
 def test_paged_attention_rejects_bad_block_id(route):
-    ops = CpuOps(prefill_min_queries=ROUTES[route])
+    ops = CpuOps(prefill_min_queries=ROUTES[route][0])
     rng = np.random.default_rng(1)
     q, cache, bt, seq_lens, qsl, _ = build_paged_batch(rng, [(3, 2)], 4, 2, 8, 4)
     bt[0, 1] = cache.shape[0]
@@ -131,7 +141,7 @@ def test_paged_attention_rejects_bad_block_id(route):
 
 @pytest.mark.parametrize("route", ["numba", "blas"])
 def test_paged_attention_rejects_bad_metadata(route):
-    ops = CpuOps(prefill_min_queries=ROUTES[route])
+    ops = CpuOps(prefill_min_queries=ROUTES[route][0])
     rng = np.random.default_rng(2)
     q, cache, bt, seq_lens, qsl, _ = build_paged_batch(rng, [(3, 2), (0, 3)], 4, 2, 8, 4)
     with pytest.raises(ValueError, match="seq_lens"):
