@@ -43,10 +43,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
                    help="weights, activations and KV cache: auto = float32 on the CPU, "
                         "float16 on a GPU")
-    p.add_argument("--quantization", "-q", default="none", choices=["none", "int8", "w8a8"],
+    p.add_argument("--quantization", "-q", default="none",
+                   choices=["none", "int8", "w8a8", "q4"],
                    help="int8: int8 weights with per-channel scales, float activations; "
-                        "w8a8: also int8 activations per token (CPU); embeddings, norms and "
-                        "the LM head stay float")
+                        "w8a8: also int8 activations per token (for both, embeddings, norms "
+                        "and the LM head stay float); q4: serve the model's GGUF blocks "
+                        "(Q4_0/Q4_1/Q8_0, LM head included) as shipped (CPU)")
     p.add_argument("--kv-cache-memory", default="1GiB",
                    help="bytes for KV blocks on the CPU backend, e.g. 512MiB, 1GiB")
     p.add_argument("--gpu-memory-utilization", type=POSITIVE_FLOAT, default=0.9,

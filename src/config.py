@@ -163,7 +163,8 @@ class EngineConfig:
     ``backend``: ``auto`` (CUDA when CuPy sees a device), ``cpu`` or ``cuda``;
     ``dtype`` (vLLM's ``--dtype``): of weights, activations and KV cache,
     ``auto`` = float32 on the CPU, float16 on a GPU. ``quantization``:
-    ``none``, ``int8`` (weight-only) or ``w8a8`` (``kvserve.model.quantization``).
+    ``none``, ``int8`` (weight-only), ``w8a8`` or ``q4`` (the GGUF's own
+    blocks; ``kvserve.model.quantization``).
     """
 
     model: str
@@ -184,8 +185,9 @@ class EngineConfig:
             raise ValueError(f"backend must be auto, cpu or cuda, got {self.backend!r}")
         if self.dtype not in ("auto", "float32", "float16"):
             raise ValueError(f"dtype must be auto, float32 or float16, got {self.dtype!r}")
-        if self.quantization not in ("none", "int8", "w8a8"):
-            raise ValueError(f"quantization must be none, int8 or w8a8, got {self.quantization!r}")
+        if self.quantization not in ("none", "int8", "w8a8", "q4"):
+            raise ValueError("quantization must be none, int8, w8a8 or q4, got "
+                             f"{self.quantization!r}")
         if self.backend == "cpu" and self.dtype == "float16":
             raise ValueError("the cpu backend runs float32; --dtype float16 needs --backend cuda")
         if self.logprobs_mode not in LOGPROBS_MODES:

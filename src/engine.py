@@ -30,7 +30,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler
 from kvserve.metrics import EngineMetrics
 from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import load_model_config, load_weights
+from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights
 from kvserve.model.backend import Backend, create_backend
 from kvserve.model.runner import ModelRunner, profile_forward
 from kvserve.model.tokenizer import Tokenizer
@@ -73,6 +73,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     backend = create_backend(config)
     weights = load_weights(path, model_config, dtype=None)
     float_bytes = sum(array.size for array in weights.values()) * backend.dtype.itemsize
+    if config.quantization == "q4":
+        weights.update(load_gguf_blocks(path, model_config))
     model = LlamaModel(model_config, weights, backend.ops, config.quantization)
     del weights
     weights_bytes = model.weights_nbytes

@@ -84,17 +84,29 @@ async def _run(engine: AsyncEngine, prompt_ids: Sequence[int], params: SamplingP
     raise RuntimeError("the stream ended without a final output")
 
 
-async def perplexity(engine: AsyncEngine, token_ids: Sequence[int], window: int = 512
-                     ) -> Perplexity:
+async def perplexity(engine: AsyncEngine, token_ids: Sequence[int], window: int = 512,
+                     llamacpp_convention: bool = False) -> Perplexity:
     """Perplexity of ``token_ids`` under ``engine`` (see the module docstring).
-    Raises ``ValueError`` for a window below 2 tokens or a text shorter."""
+
+    ``llamacpp_convention``: score as llama.cpp's ``llama-perplexity -c
+    window`` does, for a figure comparable with its: whole windows only, and
+    in each only the tokens after its first half (predicted from at least
+    ``window // 2`` tokens of context). Raises ``ValueError`` for a window
+    below 2 tokens or a text shorter (than one window, by that convention).
+    """
     if window < 2 or len(token_ids) < 2:
         raise ValueError("perplexity needs a window and a text of at least 2 tokens")
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     windows = [token_ids[i:i + window] for i in range(0, len(token_ids) - 1, window)]
+    first = 1
+    if llamacpp_convention:
+        windows = [w for w in windows if len(w) == window]
+        first = window // 2 + 1
+        if not windows:
+            raise ValueError(f"the text is shorter than one window of {window} tokens")
     t0 = time.perf_counter()
     outputs = await asyncio.gather(*(_run(engine, w, params, "ppl") for w in windows))
-    logprobs = [entry[0] for out in outputs for entry in out.prompt_logprobs[1:]]
+    logprobs = [entry[0] for out in outputs for entry in out.prompt_logprobs[first:]]
     nll = -math.fsum(logprobs) / len(logprobs)
     return Perplexity(math.exp(nll), len(logprobs), time.perf_counter() - t0)
 

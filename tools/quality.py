@@ -66,7 +66,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint folder (default: the default model)")
     p.add_argument("--backend", default="cpu")
-    p.add_argument("--schemes", nargs="*", default=["int8", "w8a8"])
+    p.add_argument("--schemes", nargs="*", default=["int8", "w8a8", "q4"])
     p.add_argument("--text", default=str(REPO / "tests" / "data" / "public_domain_en.txt"))
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--prompts", default=None)

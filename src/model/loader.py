@@ -209,3 +209,41 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
                     arr = arr.copy()  # detach from the mmap before it closes
                 out[name] = arr
     return out
+
+
+def find_gguf(path: Path) -> Path:
+    """The ``.gguf`` file in checkpoint folder ``path`` (``--quantization q4``).
+
+    The default model's folder gets the GGUF it is converted from (fetched
+    now if an older cache lacks it). Raises FileNotFoundError when ``path``
+    holds none, ValueError when it holds several.
+    """
+    from kvserve.model import default_model
+
+    path = Path(path)
+    found = sorted(path.glob("*.gguf"))
+    if not found and default_model.is_default_model_folder(path):
+        found = [default_model.ensure_default_gguf(path)]
+    if not found:
+        raise FileNotFoundError(f"--quantization q4 serves the blocks of a GGUF file, and {path} "
+                                "holds none: put the .gguf this checkpoint was converted from "
+                                "into the folder")
+    if len(found) > 1:
+        raise ValueError(f"{path} holds several .gguf files ({', '.join(p.name for p in found)}); "
+                         "keep the one this checkpoint was converted from")
+    return found[0]
+
+
+def load_gguf_blocks(path: Path, config: ModelConfig) -> dict[str, Any]:
+    """``{hf_name: BlockQuantizedWeight}`` of every Q4_0 / Q4_1 / Q8_0 tensor of
+    the GGUF in ``path`` (:func:`find_gguf`), shapes checked against ``config``.
+
+    Raises FileNotFoundError / ValueError as :func:`find_gguf` and
+    ``ggml_blocks.read_gguf_blocks`` do.
+    """
+    from kvserve.model.ggml_blocks import read_gguf_blocks
+
+    shapes = expected_tensor_shapes(config)
+    shapes.update(_optional_tensor_shapes(config))
+    return read_gguf_blocks(find_gguf(path), shapes, config.num_attention_heads,
+                            config.num_key_value_heads)

@@ -16,11 +16,22 @@
   instead of its smoothing: one scale per token cost the default model 9.9%
   of perplexity, groups of 64 cost 1.7%; ``kvserve.cpu.int8``).
 
-What stays float: embeddings, norms, biases, and the LM head. The LM head
+- ``q4``: the model's GGUF blocks as they ship (``kvserve.model.ggml_blocks``):
+  Q4_0 / Q4_1 / Q8_0 codes with their per-32-channel scales, for every
+  tensor the file stores in those types: for the default model the
+  projections (Q4_1) and the tied embedding / LM head table (Q8_0).
+  Activations stay float32. Not a load-time quantization: the checkpoint
+  folder must hold the ``.gguf`` it was converted from
+  (``kvserve.model.loader.find_gguf``).
+
+What stays float for ``int8`` and ``w8a8``: embeddings, norms, biases, and
+the LM head. The LM head
 is tied to the embedding table in the default model (quantizing it would
 quantize the embeddings too), it is the layer whose errors move the
 sampled token directly, and it is one step's single largest product only
 when the batch is large; ``tools/quality.py`` is the gate for changing that.
+For ``q4`` the LM head is the GGUF's own Q8_0 table, because that is what
+the model ships as: quantized by its publisher, and measured by the same gate.
 """
 
 from __future__ import annotations
@@ -30,7 +41,9 @@ from typing import Any
 
 import numpy as np
 
-QUANTIZATIONS = ("none", "int8", "w8a8")
+from kvserve.model.ggml_blocks import BlockQuantizedWeight
+
+QUANTIZATIONS = ("none", "int8", "w8a8", "q4")
 #: Largest magnitude of a symmetric int8 code.
 INT8_MAX = 127
 
@@ -59,7 +72,8 @@ class QuantizedWeight:
         return int(self.qweight.nbytes + self.scales.nbytes)
 
 
-#: What ``Ops.linear`` accepts as its weight: a dense [out, in] array or a QuantizedWeight.
+#: What ``Ops.linear`` accepts as its weight: a dense [out, in] array, a
+#: QuantizedWeight or a BlockQuantizedWeight.
 LinearWeight = Any
 
 
@@ -86,19 +100,30 @@ def dequantize_int8(qweight: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return qweight.astype(np.float32) * np.asarray(scales, dtype=np.float32)[:, None]
 
 
-def quantize_weight(w: np.ndarray, scheme: str, to_device) -> LinearWeight:
-    """``w`` float[out, in] as the layer weight of ``scheme`` on the backend
-    (``to_device``: host array -> backend array). ``none`` keeps it dense.
-    Raises ``ValueError`` for an unknown scheme."""
-    if scheme == "none":
+def quantize_weight(w: np.ndarray | BlockQuantizedWeight, scheme: str, to_device) -> LinearWeight:
+    """``w`` as the layer weight of ``scheme`` on the backend (``to_device``:
+    host array -> backend array).
+
+    ``w`` is a float[out, in] array, or for ``q4`` possibly a host
+    ``BlockQuantizedWeight`` (moved as it is). ``none``, and ``q4`` for a
+    tensor the GGUF stores in float, keep it dense. Raises ``ValueError``
+    for an unknown scheme."""
+    if isinstance(w, BlockQuantizedWeight):
+        return w.map(lambda a: _to_device_exact(a, to_device))
+    if scheme in ("none", "q4"):
         return to_device(w)
     if scheme not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {scheme!r}")
     qweight, scales = quantize_int8(w)
-    # Through an int32 view: to_device keeps integer dtypes, while it would
-    # cast float32 scales to a float16 backend's dtype.
-    return QuantizedWeight(to_device(qweight), to_device(scales.view(np.int32)).view(np.float32),
-                           scheme)
+    return QuantizedWeight(to_device(qweight), _to_device_exact(scales, to_device), scheme)
+
+
+def _to_device_exact(a: np.ndarray, to_device):
+    """``to_device(a)`` keeping a float32 array float32: through an int32 view,
+    as to_device keeps integer dtypes but casts floats to the backend's dtype."""
+    if a.dtype == np.float32:
+        return to_device(a.view(np.int32)).view(np.float32)
+    return to_device(a)
 
 
 def weight_nbytes(weight: LinearWeight) -> int:

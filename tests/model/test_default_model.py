@@ -164,7 +164,8 @@ def test_ensure_default_model_atomic_and_cached(tmp_path: Path, monkeypatch: pyt
     assert path == tmp_path / dm.DEFAULT_MODEL_NAME
     assert ensure_default_model(tmp_path) == path
     assert len(calls) == 2  # the second successful call reused the cache
-    assert sorted(p.name for p in path.iterdir()) == sorted(dm._CHECKPOINT_FILES)
+    # The GGUF stays beside the checkpoint, for --quantization q4.
+    assert sorted(p.name for p in path.iterdir()) == sorted(dm._CHECKPOINT_FILES + ("tiny.gguf",))
 
 
 def _failing_convert(gguf_path: Path, out_dir: Path) -> None:
