@@ -29,12 +29,31 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-# Numba's OpenMP layer leaves its threads spinning after a parallel region;
-# on a small machine they then steal the cores from OpenBLAS's sgemm threads
-# (measured: a SmolLM2 decode step of 8 sequences took 490 ms instead of
-# 100 ms). The workqueue layer parks its threads at once. We call the
-# parallel kernels from one thread only (the worker), which workqueue needs.
-numba.config.THREADING_LAYER = "workqueue"
+# Numba's threading layer: OpenMP where this Numba build has it, else
+# workqueue. Entering a parallel region costs 1.3 us with OpenMP and 90 us
+# with workqueue on the 2-core machine (workqueue parks its threads, and
+# waking them is the cost), so with OpenMP even a decode step's small
+# products and attention run on all cores. OpenMP's threads spin for a
+# while after a region and then steal the cores from OpenBLAS's threads
+# (measured once: a decode step of 8 sequences took 490 ms instead of 100);
+# kvserve/__init__.py therefore caps that spin (GOMP_SPINCOUNT) and
+# OpenBLAS's (OPENBLAS_THREAD_TIMEOUT) before either library loads.
+numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
+numba.config.THREADING_LAYER = "default"
+
+
+def _has_openmp_layer() -> bool:
+    try:
+        from numba.np.ufunc import omppool  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+#: True when parallel regions are cheap (the OpenMP layer): the parallel
+#: thresholds of the ops (``quant_ops.PARALLEL_MIN_MACS``,
+#: ``ops.ATTENTION_PARALLEL_MIN_MACS``) follow it.
+CHEAP_PARALLEL_REGIONS = _has_openmp_layer()
 
 # Fast-math flags for the dot products of attention: reassociation lets LLVM
 # vectorize the float32 reductions.  "nnan"/"ninf" are deliberately absent:
@@ -155,6 +174,53 @@ def write_kv_kernel(k, v, kv_cache, slot_mapping):
             for d in range(hd):
                 kv_cache[b, 0, o, h, d] = k[t, h, d]
                 kv_cache[b, 1, o, h, d] = v[t, h, d]
+
+
+# --------------------------------------------------------------------------- #
+# Dense float32 GEMV (decode-sized linear layers)
+# --------------------------------------------------------------------------- #
+
+
+@njit(nogil=True, cache=True, fastmath=_ATTN_FASTMATH)
+def f32_gemv_range(x, w, out, lo, hi):
+    """out[:, n] = x @ w[n] for the channels n in [lo, hi), four at a time.
+
+    x: float32[M, K]; w: float32[N, K]; out: float32[M, N]. A 1 x 4 register
+    tile: four float32 reductions over K share each load of x; the four
+    weight rows stay in L1 while every row of x passes. Memory-bound for the
+    few rows of a decode step, like BLAS sgemv, but with no BLAS thread pool
+    to wake (see ``CpuOps.linear``).
+    """
+    M, K = x.shape
+    last = w.shape[0] - 1
+    for n0 in range(lo, hi, 4):
+        n1, n2, n3 = min(n0 + 1, last), min(n0 + 2, last), min(n0 + 3, last)
+        for m in range(M):
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for k in range(K):
+                xk = x[m, k]
+                a0 += xk * w[n0, k]
+                a1 += xk * w[n1, k]
+                a2 += xk * w[n2, k]
+                a3 += xk * w[n3, k]
+            out[m, n0] = a0
+            if n0 + 1 < hi:
+                out[m, n0 + 1] = a1
+            if n0 + 2 < hi:
+                out[m, n0 + 2] = a2
+            if n0 + 3 < hi:
+                out[m, n0 + 3] = a3
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def f32_gemv_parallel(x, w, out, n_chunks):
+    """:func:`f32_gemv_range` over all channels in ``n_chunks`` parallel
+    ranges of whole groups of four."""
+    groups = (w.shape[0] + 3) // 4
+    for c in prange(n_chunks):
+        lo = c * groups // n_chunks * 4
+        hi = min((c + 1) * groups // n_chunks * 4, w.shape[0])
+        f32_gemv_range(x, w, out, lo, hi)
 
 
 # --------------------------------------------------------------------------- #

@@ -25,12 +25,18 @@ __all__ = ["CpuOps", "build_rope_cache"]
 _F32 = np.float32
 #: New tokens from which a sequence's attention takes the BLAS prefill path.
 PREFILL_MIN_QUERIES = 16
+#: Dense float32 products of at most this many rows (decode steps) use the
+#: Numba GEMV kernel rather than BLAS sgemm: with the OpenMP layer its
+#: threads are already awake, where OpenBLAS's sleep between calls (see
+#: kvserve/__init__.py).
+DENSE_GEMV_MAX_ROWS = 8
 #: Attention of less work than this (new tokens x context x heads x head_dim,
-#: summed over sequences) runs serially: entering a Numba parallel region
-#: costs 50-120 us, more than the attention of a few decode rows (measured
-#: on 2 cores, 9 heads of 64: one row at 300 tokens 30 us serial, 102 us
-#: parallel; the two cross between 1.4 M and 2.8 M of this product).
-ATTENTION_PARALLEL_MIN_MACS = 1 << 21
+#: summed over sequences) runs serially. With the workqueue layer, entering
+#: a Numba parallel region costs 50-120 us, more than the attention of a few
+#: decode rows (measured on 2 cores, 9 heads of 64: one row at 300 tokens
+#: 30 us serial, 102 us parallel; the two cross between 1.4 M and 2.8 M of
+#: this product); with OpenMP it costs 1.3 us.
+ATTENTION_PARALLEL_MIN_MACS = 1 << 16 if kernels.CHEAP_PARALLEL_REGIONS else 1 << 21
 
 
 def _check_prefill_metadata(bt: np.ndarray, sl: np.ndarray, qsl: np.ndarray, T: int,
@@ -190,7 +196,11 @@ class CpuOps:
         if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
             raise ValueError(f"linear: x {x.shape} and weight {weight.shape} do not match "
                              "(expected x [T, in], weight [out, in])")
-        y = x @ weight.T
+        if x.shape[0] <= DENSE_GEMV_MAX_ROWS and weight.dtype == _F32 \
+                and weight.flags.c_contiguous:
+            y = self._gemv(np.ascontiguousarray(x), weight)
+        else:
+            y = x @ weight.T
         if y.dtype != _F32:
             y = y.astype(_F32)
         if bias is not None:
@@ -198,6 +208,19 @@ class CpuOps:
                 raise ValueError(f"linear: bias shape {bias.shape}, expected ({weight.shape[0]},)")
             y += bias
         return y
+
+    def _gemv(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """``x @ weight.T`` by ``kernels.f32_gemv_*``: float32[M, K] x, float32[N, K] weight."""
+        from kvserve.cpu.quant_ops import _parallel_chunks  # imports this module
+
+        out = np.empty((x.shape[0], weight.shape[0]), dtype=_F32)
+        chunks = _parallel_chunks(x.shape, weight.shape[0], self._threads())
+        if chunks:
+            with _PARALLEL_REGION:
+                kernels.f32_gemv_parallel(x, weight, out, chunks)
+        else:
+            kernels.f32_gemv_range(x, weight, out, 0, weight.shape[0])
+        return out
 
     def _linear_quantized(self, x: np.ndarray, weight: QuantizedWeight,
                           bias: np.ndarray | None) -> np.ndarray:

@@ -74,7 +74,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-# Imported for its side effect: it selects Numba's "workqueue" threading
+# Imported for its side effect: it selects Numba's threading
 # layer, which the parallel kernels below rely on (see its comment).
 from kvserve.cpu import kernels as _kernels  # noqa: F401
 

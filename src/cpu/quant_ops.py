@@ -32,6 +32,7 @@ import numba
 import numpy as np
 
 from kvserve.cpu import quant_kernels as qk
+from kvserve.cpu.kernels import CHEAP_PARALLEL_REGIONS
 from kvserve.cpu.ops import _PARALLEL_REGION
 from kvserve.cpu.quant_kernels import INT8_MAX, W8A8_MAX_K, quantize_activations
 
@@ -46,11 +47,13 @@ __all__ = ["GEMV_MAX_ROWS", "PARALLEL_MIN_MACS", "linear_int8", "linear_w8a8",
 #: the same on cache-resident layers.
 GEMV_MAX_ROWS = 4
 #: Products of fewer multiply-adds (M * N * K) run serially. Entering a
-#: Numba parallel region (workqueue layer) cost 50-120 us on the 2-core
-#: machine, more when another process holds a core; measured break-even:
-#: 576 x 1536 x 32 (28 M) still lost 10-30% with 2 threads, the 49152 x 576
-#: LM head at M = 1 (28 M, memory-bound) gained 35-40%.
-PARALLEL_MIN_MACS = 1 << 24
+#: Numba parallel region costs 1.3 us with the OpenMP layer, and 50-120 us
+#: with workqueue (the fallback) on the 2-core machine, more when another
+#: process holds a core; measured break-even with workqueue: 576 x 1536 x 32
+#: (28 M) still lost 10-30% with 2 threads, the 49152 x 576 LM head at M = 1
+#: (28 M, memory-bound) gained 35-40%. With OpenMP, a 576 x 576 decode
+#: product (0.3 M) already gains.
+PARALLEL_MIN_MACS = 1 << 16 if CHEAP_PARALLEL_REGIONS else 1 << 24
 #: Scale of an all-zero weight row (its codes are all 0 whatever it is; the
 #: same value as ``kvserve.model.quantization.quantize_int8``).
 ZERO_ROW_SCALE = 1.0

@@ -1,7 +1,8 @@
 """One thread policy for the CPU backend: BLAS and Numba share the same cores.
 
 NumPy's BLAS (OpenBLAS) keeps a thread pool of its own beside Numba's, and
-after each call its threads spin for a while before they sleep. With both
+after each call its threads spin for a while before they sleep (capped by
+``kvserve/__init__.py``, as is the spin of Numba's OpenMP threads). With both
 pools as wide as the machine, the two fight over the cores whenever the other
 is busy, and far more so when other processes share them (a 2-core machine
 under load: a TTFT of 3.7 s with the defaults against 0.26 s with one BLAS
@@ -44,7 +45,8 @@ class ThreadPolicy:
     - ``num_threads``: threads of each pool (BLAS and Numba).
     - ``available_cpus``: CPUs the process may use.
     - ``blas``: ``"library (threading layer)"`` of each BLAS that was limited.
-    - ``numba_layer``: Numba's threading layer setting.
+    - ``numba_layer``: Numba's threading layer (``omp`` where this Numba
+      has it, else ``workqueue``; ``kvserve.cpu.kernels``).
     """
 
     num_threads: int
@@ -78,8 +80,10 @@ def apply_thread_policy(num_threads: int) -> ThreadPolicy:
     numba.set_num_threads(num_threads)
     blas = tuple(f"{info['internal_api']} ({info.get('threading_layer', '?')})"
                  for info in threadpool_info() if info["user_api"] == "blas")
-    return ThreadPolicy(num_threads, available_cpus(), blas,
-                        str(numba.config.THREADING_LAYER))
+    from kvserve.cpu.kernels import CHEAP_PARALLEL_REGIONS
+
+    layer = "omp" if CHEAP_PARALLEL_REGIONS else "workqueue"
+    return ThreadPolicy(num_threads, available_cpus(), blas, layer)
 
 
 def busy_warning(policy: ThreadPolicy, load_average: float | None = None) -> str | None:

@@ -2,8 +2,8 @@
 ``kvserve.cpu.block_kernels``) against dequantize-then-matmul in float64,
 with the dequantization done by ``gguf-py`` (llama.cpp's Python reference).
 
-Both paths run: the panel kernel (M <= GEMV_MAX_ROWS) and dequantized
-panels + sgemm (more rows, with a panel smaller than N so that several run),
+Both paths run: the panel kernel (M <= GEMV_MAX_ROWS, lowered to 8 here) and
+dequantized panels + sgemm (more rows, with a panel smaller than N so that several run),
 serially and on Numba's threads; N is not a multiple of the 4-channel panel.
 """
 
@@ -48,6 +48,7 @@ def assert_close(y, x, dense, bias=None):
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("m", ROWS)
 def test_linear_equals_dequantize_then_matmul(ggml_type, m, monkeypatch):
+    monkeypatch.setattr(bo, "GEMV_MAX_ROWS", 8)  # 9 and 40 rows: the prefill path
     monkeypatch.setattr(bo, "PREFILL_PANEL_FLOATS", 8 * K)  # several prefill panels
     x, weight, dense = operands(ggml_type, m, seed=m)
     bias = np.linspace(-1, 1, N).astype(np.float32)
@@ -62,6 +63,7 @@ def test_parallel_paths(ggml_type, m, monkeypatch):
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.fail("needs NUMBA_NUM_THREADS >= 2 to run the parallel kernels")
     monkeypatch.setattr(bo, "_parallel_chunks", lambda shape, n, threads: 2)
+    monkeypatch.setattr(bo, "GEMV_MAX_ROWS", 8)
     monkeypatch.setattr(bo, "PREFILL_PANEL_FLOATS", 8 * K)
     x, weight, dense = operands(ggml_type, m, n=4 * 5 + 1, seed=7)
     assert_close(bo.linear_blocks(x, weight), x, dense)

@@ -296,6 +296,23 @@ def test_linear_without_bias_matches_float64():
         OPS.linear(x, w, np.zeros(18, np.float32))  # bias of the wrong size
 
 
+@pytest.mark.parametrize("chunks", [0, 2])
+@pytest.mark.parametrize("m", [1, 3, 8, 9])
+def test_dense_linear_gemv_and_blas_paths_match_float64(m, chunks, monkeypatch):
+    """Up to DENSE_GEMV_MAX_ROWS rows take the Numba GEMV kernel (serially or
+    in two channel ranges), more take BLAS; N = 4 * 5 + 3 leaves a partial
+    group of four channels. Bound: float32 summation, (K + 1) u |x| |w|^T."""
+    from kvserve.cpu import quant_ops
+
+    monkeypatch.setattr(quant_ops, "_parallel_chunks", lambda shape, n, threads: chunks)
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, 77)).astype(np.float32)
+    w = rng.standard_normal((23, 77)).astype(np.float32)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    bound = 78 * 2.0**-24 * (np.abs(x).astype(np.float64) @ np.abs(w).T)
+    assert (np.abs(OPS.linear(x, w) - ref) <= bound).all()
+
+
 def test_allocate_kv_cache_is_zeroed_with_the_paged_layout():
     cache = OPS.allocate_kv_cache(6, 4, 3, 8)
     assert cache.shape == (6, 2, 4, 3, 8) and cache.dtype == np.float32
