@@ -110,7 +110,11 @@ def test_streaming_client_leaving_after_two_chunks_frees_everything(app_server, 
                             headers={"X-Request-Id": request_id}) as response:
             assert response.status_code == 200
             content_chunks = 0
-            for line in response.iter_lines():
+            # Held in a name: a generator dropped at the break is closed at
+            # once, and closing httpx's line iterator closes the response, so
+            # the server could see the client leave before the check below.
+            lines = response.iter_lines()
+            for line in lines:
                 if line.startswith("data:") and '"content"' in line \
                         and '"content":""' not in line:
                     content_chunks += 1
