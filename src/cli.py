@@ -201,14 +201,13 @@ async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
 
     from kvserve.api.app import build_app
     from kvserve.api.server import DrainingServer
-    from kvserve.engine import AsyncEngine
 
     from kvserve.metrics import metrics_route
 
-    engine = await AsyncEngine.start(engine_config, args.served_model_name,
-                                     request_timeout=args.request_timeout,
-                                     stats_interval=args.stats_interval,
-                                     log_prompts=getattr(args, "log_prompts", False))
+    engine = await _start_engine(engine_config, args.served_model_name,
+                                 request_timeout=args.request_timeout,
+                                 stats_interval=args.stats_interval,
+                                 log_prompts=getattr(args, "log_prompts", False))
     server_config = ServerConfig(host=args.host, port=args.port,
                                  api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"),
                                  served_model_name=args.served_model_name,
@@ -223,12 +222,25 @@ async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
         await engine.shutdown()
 
 
+async def _start_engine(config: EngineConfig, *args, **kwargs):
+    """``AsyncEngine.start``, with the errors a user's settings cause at load
+    time (no such file, a model the settings cannot serve, no backend) as one
+    line on stderr and exit status 2 instead of a traceback."""
+    from kvserve.engine import AsyncEngine
+    from kvserve.model.backend import BackendUnavailable
+
+    try:
+        return await AsyncEngine.start(config, *args, **kwargs)
+    except (FileNotFoundError, ValueError, BackendUnavailable) as exc:
+        print(f"kvserve: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     from kvserve.actors.messages import GenerateRequest, RequestFailed, RequestOutput
     from kvserve.core.sampling_params import SamplingParams
-    from kvserve.engine import AsyncEngine
 
-    engine = await AsyncEngine.start(engine_config, stats_interval=args.stats_interval)
+    engine = await _start_engine(engine_config, stats_interval=args.stats_interval)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     request = GenerateRequest(
         request_id=uuid.uuid4().hex, sampling_params=params, arrival_time=time.monotonic(),

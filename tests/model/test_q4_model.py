@@ -6,6 +6,9 @@ of the same blocks."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -13,7 +16,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from test_forward_reference import REL_TOL, reference, rel_err
 from test_quantization import forward_all
-from tiny_llama import SPECS, load_tiny
+from tiny_llama import SPECS, load_tiny, write_byte_tokenizer
 
 from kvserve.cpu.ops import CpuOps
 from kvserve.model.default_model import _BLOCK_NAMES, _GLOBAL_NAMES, permute_qk, unpermute_qk
@@ -101,3 +104,15 @@ def test_a_type_kvserve_does_not_serve_is_refused(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="is Q5_0; --quantization q4 serves"):
         load_gguf_blocks(tmp_path, config)
+
+
+def test_serving_q4_without_a_gguf_is_one_clear_line(tmp_path):
+    load_tiny(tmp_path, SPECS[0])
+    write_byte_tokenizer(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tmp_path),
+                           "--quantization", "q4", "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("{")]
+    assert "Traceback" not in done.stderr and len(errors) == 1, done.stderr
+    assert errors[0].startswith("kvserve: error: --quantization q4 serves the blocks"), errors
