@@ -319,6 +319,18 @@ def usage_object(choices: Sequence[ChoiceState], num_prompt_tokens: int) -> dict
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+#: The logprob shown for a token the model gives probability 0 (a
+#: -inf log-softmax, e.g. a token masked by ``logit_bias`` -100 or top-k):
+#: JSON has no infinity, and vLLM's OpenAI server shows the same floor.
+MIN_LOGPROB = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    """``value`` floored at ``MIN_LOGPROB``; NaN stays NaN, so that the
+    encoder (``allow_nan=False``) refuses it as the bug it is."""
+    return MIN_LOGPROB if value < MIN_LOGPROB else value
+
+
 def chat_logprobs(entries: Sequence[Any], token_ids: Sequence[int], token_text: TokenText,
                   token_bytes: TokenBytes, top_n: int) -> dict[str, Any]:
     """Chat ``logprobs`` (the ``chat.completion`` object's ``choices[].logprobs``):
@@ -332,7 +344,7 @@ def chat_logprobs(entries: Sequence[Any], token_ids: Sequence[int], token_text: 
     reference defines them.
     """
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": token_text(token_id), "logprob": logprob,
+        return {"token": token_text(token_id), "logprob": finite_logprob(logprob),
                 "bytes": list(token_bytes(token_id))}
 
     content = []
@@ -363,8 +375,9 @@ def completion_logprobs(entries: Sequence[Any], token_ids: Sequence[int],
             result["top_logprobs"].append(None)
             continue
         sampled, top = entry
+        sampled = finite_logprob(sampled)
         result["token_logprobs"].append(sampled)
-        alternatives = {token_text(tid): lp for tid, lp in top}
+        alternatives = {token_text(tid): finite_logprob(lp) for tid, lp in top}
         alternatives.setdefault(token, sampled)
         result["top_logprobs"].append(alternatives)
     return result

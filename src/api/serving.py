@@ -308,11 +308,12 @@ def sse(data: dict[str, Any] | str, large: bool = False) -> bytes:
     if isinstance(data, str):
         text = data
     else:
-        text = json_in_pieces(data) if large else json.dumps(data, separators=(",", ":"))
+        text = json_in_pieces(data) if large else json.dumps(data, separators=(",", ":"),
+                                                              allow_nan=False)
     return f"data: {text}\n\n".encode()
 
 
-def json_in_pieces(value: Any, ensure_ascii: bool = True, allow_nan: bool = True) -> str:
+def json_in_pieces(value: Any, ensure_ascii: bool = True, allow_nan: bool = False) -> str:
     """``json.dumps(value, separators=(",", ":"), ...)``: the same text, built
     from slices of at most ``JSON_PIECE_ITEMS`` items of every longer list.
 

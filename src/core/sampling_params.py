@@ -23,6 +23,11 @@ MAX_N = 16
 #: ``seed`` must fit a signed 64-bit integer (as in vLLM); the generator is
 #: seeded with ``seed mod 2**64``.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+#: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
+GREEDY_TEMPERATURE_EPS = 1e-5
+#: Smallest ``repetition_penalty``: positive logits are divided by it, so a
+#: tiny one overflows them to inf.
+MIN_REPETITION_PENALTY = 0.01
 
 
 def _as_tuple(value: Any, field_name: str, item_type: type) -> tuple:
@@ -82,7 +87,9 @@ class SamplingParams:
 
     - ``n``: completions per prompt, in [1, ``MAX_N``].
     - ``temperature``: >= 0; 0 means greedy. OpenAI documents [0, 2]; like vLLM
-      we accept any non-negative value.
+      we accept any non-negative value, and like vLLM's ``_SAMPLING_EPS`` a
+      temperature below ``GREEDY_TEMPERATURE_EPS`` (1e-5) is greedy (stored
+      as 0): dividing logits by a denormal gave inf and NaN.
     - ``top_p``: nucleus mass in (0, 1]; 1 disables it.
     - ``top_k``: keep the k most likely tokens; 0 or -1 disables it.
     - ``min_p``: in [0, 1]; drop tokens below ``min_p`` x the top probability.
@@ -106,7 +113,9 @@ class SamplingParams:
       logits are needed). Same definition, without penalties (they depend
       on the generated tokens); the first prompt token has none.
     - ``presence_penalty`` / ``frequency_penalty``: in [-2, 2] (OpenAI).
-    - ``repetition_penalty``: > 0; 1 disables it (vLLM / HF semantics).
+    - ``repetition_penalty``: in [``MIN_REPETITION_PENALTY``, inf) (0.01);
+      1 disables it (vLLM / HF semantics; both only require > 0, but a
+      denormal penalty turned the logits it divides into inf).
     - ``logit_bias``: sorted ``(token_id, bias)`` pairs, bias in [-100, 100];
       a dict is accepted and normalized.
     - ``skip_special_tokens``: drop special tokens when detokenizing.
@@ -137,6 +146,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool) \
+                and 0.0 < self.temperature < GREEDY_TEMPERATURE_EPS:
+            object.__setattr__(self, "temperature", 0.0)
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
         object.__setattr__(self, "stop_token_ids",
                            _as_tuple(self.stop_token_ids, "stop_token_ids", int))
@@ -181,8 +193,8 @@ class SamplingParams:
     def _check_penalties(self) -> None:
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_range("repetition_penalty", self.repetition_penalty, 0.0, None,
-                     low_open=True, text="> 0")
+        _check_range("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
+                     None, text=f">= {MIN_REPETITION_PENALTY}")
 
     @property
     def greedy(self) -> bool:

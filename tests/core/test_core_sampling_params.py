@@ -59,3 +59,17 @@ def test_bad_container_contents():
 def test_frozen():
     with pytest.raises(AttributeError):
         SamplingParams().temperature = 0.5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-320, 9.99e-6])
+def test_a_temperature_below_the_epsilon_is_greedy(temperature):
+    params = SamplingParams(temperature=temperature)
+    assert params.temperature == 0.0 and params.greedy
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5  # the epsilon itself samples
+
+
+@pytest.mark.parametrize("penalty", [1e-320, 0.009])
+def test_a_repetition_penalty_below_the_bound_is_refused(penalty):
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=penalty)
+    assert SamplingParams(repetition_penalty=0.01).repetition_penalty == 0.01

@@ -59,7 +59,7 @@ BAD = [
     ("frequency-penalty", P, {**COMP, "frequency_penalty": -3}, {}, 400,
      "frequency_penalty", "2"),
     ("repetition-penalty-zero", P, {**COMP, "repetition_penalty": 0}, {}, 400,
-     "repetition_penalty", "> 0"),
+     "repetition_penalty", ">= 0.01"),
     ("min-p", P, {**COMP, "min_p": 2}, {}, 400, "min_p", "1"),
     ("top-k", P, {**COMP, "top_k": -2}, {}, 400, "top_k", "-1"),
     ("seed-huge", P, {**COMP, "seed": 2**70}, {}, 400, "seed", "9223372036854775807"),
