@@ -128,10 +128,12 @@ class DetokenizerActor(Actor):
         visible = [t for t in delta.new_token_ids if t not in sample.hidden]
         text = sample.detokenizer.update(visible, finished=delta.finish_reason is not None)
         finish_reason = delta.finish_reason
-        if text.stopped and finish_reason is None:
-            finish_reason = "stop"
-            if self.admission is not None:
+        if text.stopped and finish_reason in (None, "length"):
+            # A stop string in the last allowed token wins over the length
+            # limit, as in vLLM and the OpenAI API.
+            if finish_reason is None and self.admission is not None:
                 self.admission.send(AbortRequest((delta.request_id,), reason="stop"))
+            finish_reason = "stop"
         if finish_reason is not None:
             del self._samples[delta.request_id]
         if text.text or finish_reason is not None:
