@@ -11,7 +11,7 @@ import asyncio
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kvserve.config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineConfig,
                             SchedulerConfig, ServerConfig, parse_size)
@@ -134,7 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' (or set KVSERVE_API_KEY)")
+                       help="require 'Authorization: Bearer KEY' (or set KVSERVE_API_KEY, or "
+                            "use --api-key-file, which keep the key out of 'ps')")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="read the API key from the first line of this file")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-request-bytes", type=POSITIVE_INT, default=1024 * 1024,
                        help="larger request bodies get 413")
@@ -204,12 +207,13 @@ async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
 
     from kvserve.metrics import metrics_route
 
+    api_key = resolve_api_key(args, os.environ)  # before minutes of loading, not after
     engine = await _start_engine(engine_config, args.served_model_name,
                                  request_timeout=args.request_timeout,
                                  stats_interval=args.stats_interval,
                                  log_prompts=getattr(args, "log_prompts", False))
     server_config = ServerConfig(host=args.host, port=args.port,
-                                 api_key=args.api_key or os.environ.get("KVSERVE_API_KEY"),
+                                 api_key=api_key,
                                  served_model_name=args.served_model_name,
                                  max_request_bytes=args.max_request_bytes,
                                  log_prompts=args.log_prompts)
@@ -222,6 +226,35 @@ async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
         await engine.shutdown()
 
 
+def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """The API key from ``--api-key``, ``--api-key-file`` or ``KVSERVE_API_KEY``
+    (first found), or None for a server without one.
+
+    Raises ``SystemExit`` (a one-line error) for an empty key: an empty
+    ``--api-key ''`` used to turn authentication off without a word.
+    """
+    sources = [("--api-key", args.api_key)]
+    if getattr(args, "api_key_file", None):
+        try:
+            with open(args.api_key_file, encoding="utf-8") as handle:
+                sources.append(("--api-key-file", handle.readline().strip()))
+        except OSError as exc:
+            _die(f"--api-key-file: {exc}")
+    sources.append(("KVSERVE_API_KEY", environ.get("KVSERVE_API_KEY")))
+    for name, key in sources:
+        if key is not None:
+            if not key.strip():
+                _die(f"{name} is empty; give a key, or none of --api-key, --api-key-file "
+                     "and KVSERVE_API_KEY to serve without one")
+            return key
+    return None
+
+
+def _die(message: str) -> None:
+    print(f"kvserve: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 async def _start_engine(config: EngineConfig, *args, **kwargs):
     """``AsyncEngine.start``, with the errors a user's settings cause at load
     time (no such file, a model the settings cannot serve, no backend) as one
@@ -232,8 +265,7 @@ async def _start_engine(config: EngineConfig, *args, **kwargs):
     try:
         return await AsyncEngine.start(config, *args, **kwargs)
     except (FileNotFoundError, ValueError, BackendUnavailable) as exc:
-        print(f"kvserve: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _die(str(exc))
 
 
 async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:

@@ -45,15 +45,16 @@ PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
 
 class BearerAuth:
-    """ASGI middleware: require ``Authorization: Bearer <api_key>``.
+    """ASGI middleware: require ``Authorization: Bearer <api_key>`` (the
+    scheme in any case, RFC 7235).
 
-    Compares with ``hmac.compare_digest``; answers 401 with OpenAI's
+    Compares the key with ``hmac.compare_digest``; answers 401 with OpenAI's
     ``invalid_api_key`` error otherwise. ``PUBLIC_PATHS`` are exempt.
     """
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or self._ok(scope):
@@ -66,7 +67,9 @@ class BearerAuth:
     def _ok(self, scope: Scope) -> bool:
         for name, value in scope["headers"]:
             if name == b"authorization":
-                return hmac.compare_digest(value, self.expected)
+                scheme, _, token = value.partition(b" ")
+                # The auth scheme is case-insensitive (RFC 7235, section 2.1).
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token, self.expected)
         return False
 
 

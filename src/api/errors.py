@@ -73,17 +73,19 @@ def retry_after_header(seconds: float | None) -> dict[str, str]:
     return {"Retry-After": str(max(1, int(-(-seconds // 1))))}
 
 
-def from_failed(event: RequestFailed, status: int | None = None) -> APIError:
-    """Turn an engine ``RequestFailed`` into an ``APIError``.
+def from_failed(event: RequestFailed, status: int | None = None,
+                headers: dict[str, str] | None = None) -> APIError:
+    """Turn an engine ``RequestFailed`` into an ``APIError`` with ``headers``
+    (e.g. the request's ``X-Request-Id``).
 
     A 429 always carries ``Retry-After`` (1 second when the engine gave none).
     """
     status = event.status if status is None else status
-    headers = retry_after_header(event.retry_after)
-    if status == 429 and not headers:
-        headers = retry_after_header(1.0)
+    retry = retry_after_header(event.retry_after)
+    if status == 429 and not retry:
+        retry = retry_after_header(1.0)
     return APIError(status, event.message, type=event.type, param=event.param,
-                    code=event.code, headers=headers)
+                    code=event.code, headers={**(headers or {}), **retry})
 
 
 async def handle_api_error(request: Request, exc: Exception) -> Response:

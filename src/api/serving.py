@@ -56,6 +56,12 @@ ModelT = TypeVar("ModelT", ChatCompletionRequest, CompletionRequest)
 #: Status answered (to nobody) when the client left before the response.
 CLIENT_CLOSED = 499
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+#: ``X-Request-Class``: a short label copied into every log line and metric
+#: of the request, so bounded like ``X-Request-Id``.
+_REQUEST_CLASS_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,64}$")
+#: ``X-Priority``: optional minus sign and decimal digits, nothing else
+#: (Python's ``int`` would also take "+5", " 5 " and "1_000").
+_PRIORITY_RE = re.compile(r"^-?[0-9]{1,18}$")
 #: A chunk or response that lists logprobs for more tokens than this (echoed
 #: prompt plus output) is rendered and JSON-encoded on a worker thread, off
 #: the event loop: it costs ~5 us a token (token texts, dicts, JSON), so a
@@ -151,7 +157,10 @@ class RequestHeaders:
 
     @classmethod
     def parse(cls, request: Request) -> RequestHeaders:
-        """Read ``X-Request-Id``, ``X-Priority`` (an int) and ``X-Request-Class``."""
+        """Read ``X-Request-Id``, ``X-Priority`` (an int) and ``X-Request-Class``.
+
+        Raises ``APIError`` 400 naming the header when one is malformed.
+        """
         headers = request.headers
         request_id = headers.get("x-request-id")
         if request_id is not None and not _REQUEST_ID_RE.match(request_id):
@@ -159,12 +168,16 @@ class RequestHeaders:
                            "[A-Za-z0-9._:-]", param="X-Request-Id")
         priority = headers.get("x-priority")
         if priority is not None:
-            try:
-                priority = int(priority)
-            except ValueError:
-                raise APIError(400, f"X-Priority must be an integer, got {priority!r}",
-                               param="X-Priority") from None
-        return cls(request_id, priority, headers.get("x-request-class"))
+            if not _PRIORITY_RE.match(priority):
+                raise APIError(400, f"X-Priority must be a decimal integer (an optional '-' "
+                               f"and up to 18 digits), got {priority[:40]!r}",
+                               param="X-Priority")
+            priority = int(priority)
+        request_class = headers.get("x-request-class")
+        if request_class is not None and not _REQUEST_CLASS_RE.match(request_class):
+            raise APIError(400, "X-Request-Class must be 1-64 characters of [A-Za-z0-9._:-]",
+                           param="X-Request-Class")
+        return cls(request_id, priority, request_class)
 
 
 def sampling_params_or_400(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
@@ -465,8 +478,8 @@ async def run_generation(request: Request, engine: EngineClient, prepared: Prepa
         gone, first = await unless_disconnected(request.receive, lambda: _first_event(stream))
         if gone:
             return Response(status_code=CLIENT_CLOSED)
-        if isinstance(first, RequestFailed):
-            raise from_failed(first)
+        if isinstance(first, RequestFailed):  # refused (429, 503, 400): still name the request
+            raise from_failed(first, headers=headers)
         if not isinstance(first, RequestAccepted):
             raise APIError(500, "The engine sent output before accepting the request",
                            type="server_error")

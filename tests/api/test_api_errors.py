@@ -166,3 +166,50 @@ async def test_auth(auth_client_factory):
                          headers={"Authorization": "Bearer sekret"})
         assert r.status_code == 200
         assert (await c.get("/health")).status_code == 200
+
+
+@pytest.mark.parametrize("value", ["1_000", "+5", " 5", "5 ", "0x10", "1e3", "9" * 19, "-"])
+async def test_priority_header_is_a_plain_decimal_integer(client, engine, value):
+    """Python's int() takes '1_000', '+5' and ' 5 '; the header takes -?digits (issue 14)."""
+    r = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Priority": value})
+    assert_error(r, 400, "X-Priority")
+    assert engine.requests == []
+
+
+async def test_priority_header_accepts_signed_integers(client, engine):
+    for value, expected in (("5", 5), ("-3", -3), ("0", 0)):
+        r = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Priority": value})
+        assert r.status_code == 200, r.text
+        assert engine.requests[-1].priority == expected
+
+
+@pytest.mark.parametrize("value", ["x" * 65, "a b", "class\\n", "é"])
+async def test_request_class_header_is_a_short_label(client, engine, value):
+    """X-Request-Class is copied into logs and metrics: a 60 KB one became
+    181 KB of log (issue 14); it is now 1-64 characters of [A-Za-z0-9._:-]."""
+    r = await client.post("/v1/chat/completions", json=CHAT,
+                          headers={"X-Request-Class": value.encode("utf-8")})
+    assert_error(r, 400, "X-Request-Class")
+    assert engine.requests == []
+    r = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Class": "rag-1.v2"})
+    assert r.status_code == 200 and engine.requests[-1].request_class == "rag-1.v2"
+
+
+@pytest.mark.parametrize("status", [429, 503, 400])
+async def test_engine_refusals_echo_the_request_id(client, engine, status):
+    engine.script = failing(status, "no", retry_after=1.0)
+    r = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "r-42"})
+    assert_error(r, status)
+    assert r.headers["x-request-id"] == "r-42"
+
+
+async def test_bearer_scheme_is_case_insensitive(auth_client_factory):
+    """RFC 7235: the auth scheme is case-insensitive; the key is not."""
+    async with auth_client_factory(FakeEngine()) as c:
+        for scheme in ("bearer", "BEARER", "BeArEr"):
+            r = await c.post("/v1/chat/completions", json=CHAT,
+                             headers={"Authorization": f"{scheme} sekret"})
+            assert r.status_code == 200, (scheme, r.text)
+        for value in ("Bearer SEKRET", "Basic sekret", "Bearersekret", "sekret", "Bearer  sekret"):
+            r = await c.get("/v1/models", headers={"Authorization": value})
+            assert_error(r, 401)
