@@ -23,7 +23,9 @@ __all__ = ["AdmissionActor", "AdmissionLimits", "refusal"]
 def refusal(queue: AdmissionQueue, request: TokenizedRequest, n: int) -> RequestFailed | None:
     """Why ``request`` (with its ``n`` samples) may not enter now, or None.
 
-    A non-zero priority under fcfs is a 400 (the flag is missing); a full
+    A non-zero priority under fcfs is a 400 (the flag is missing), and so is
+    a request that could not wait even in an empty queue (its ``n`` or its
+    prompt alone exceed a waiting limit: a retry can never succeed); a full
     waiting queue is a 429 with ``Retry-After``, as vLLM and OpenAI signal
     overload.
     """
@@ -32,6 +34,10 @@ def refusal(queue: AdmissionQueue, request: TokenizedRequest, n: int) -> Request
         return RequestFailed(rid, 400, "priority is only supported with "
                              "--scheduling-policy priority (this server runs fcfs)",
                              param="priority")
+    never = queue.never_admissible(n, len(request.prompt_token_ids))
+    if never is not None:
+        return RequestFailed(rid, 400, f"This request can never be admitted: {never[0]}.",
+                             param=never[1])
     reason = queue.refusal(n, len(request.prompt_token_ids))
     if reason is None:
         return None

@@ -97,6 +97,21 @@ class AdmissionQueue:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.queue
 
+    def never_admissible(self, num_seqs: int, num_tokens: int) -> tuple[str, str | None] | None:
+        """Why ``num_seqs`` sequences of ``num_tokens`` tokens each could not
+        join even an empty queue, as ``(message, param)``, or None: such a
+        request must get a 400 naming the limit, not a 429 whose retry can
+        never succeed."""
+        limits = self.limits
+        if limits.max_waiting_requests is not None and num_seqs > limits.max_waiting_requests:
+            return (f"n = {num_seqs} samples can never wait together under "
+                    f"--max-waiting-requests {limits.max_waiting_requests}", "n")
+        if limits.max_waiting_tokens is not None and \
+                num_seqs * num_tokens > limits.max_waiting_tokens:
+            return (f"{num_seqs} x {num_tokens} prompt tokens can never wait under "
+                    f"--max-waiting-tokens {limits.max_waiting_tokens}", None)
+        return None
+
     def refusal(self, num_seqs: int, num_tokens: int) -> str | None:
         """Why ``num_seqs`` sequences of ``num_tokens`` tokens each may not
         join the queue now (the flag that bounds it, in a message), or None."""

@@ -73,6 +73,23 @@ def test_waiting_limits_name_their_flag_and_count_incrementally():
     assert queue.num_waiting == 0 and queue.refusal(3, 6) is None
 
 
+def test_a_request_over_a_limit_on_its_own_is_never_admissible():
+    """Issue 14, item 4: n = 2 under --max-waiting-requests 1, or a 200-token
+    prompt under --max-waiting-tokens 100, got 429 + Retry-After forever on
+    an idle server; the queue now tells them apart (the actor answers 400)."""
+    queue = make_queue(max_waiting_requests=1, max_waiting_tokens=100)
+    message, param = queue.never_admissible(2, 4)
+    assert "--max-waiting-requests 1" in message and param == "n"
+    message, param = queue.never_admissible(1, 200)
+    assert "--max-waiting-tokens 100" in message and param is None
+    tokens_only = make_queue(max_waiting_tokens=100)
+    assert "--max-waiting-tokens 100" in tokens_only.never_admissible(2, 60)[0]  # 2 x 60 > 100
+    assert queue.never_admissible(1, 100) is None  # fits an empty queue: 429 when full
+    queue.add(req("a", 8))
+    assert queue.never_admissible(1, 100) is None and queue.refusal(1, 100) is not None
+    assert make_queue().never_admissible(16, 10**6) is None  # no limits
+
+
 def test_requests_handed_back_keep_their_place():
     """fcfs: returned requests (a preempted one, then one released but not
     admitted) go back to the front in the scheduler's order; priority: a

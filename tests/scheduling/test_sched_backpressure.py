@@ -15,6 +15,7 @@ from sched_support import (PROMPT, HTTPRecord, assert_error_body, chat_body, gre
                            sse_stream, submit, wait_until)
 
 from kvserve.config import SchedulerConfig
+from kvserve.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
 
@@ -123,3 +124,26 @@ def test_burst_does_not_exceed_waiting_limit(sched_loop):
     assert all(r.failed.status == 429 for r in refused), refused
     assert len(admitted) == MAX_WAITING, \
         f"{len(admitted)} of a burst of 6 admitted with --max-waiting-requests {MAX_WAITING}"
+
+
+def test_a_request_that_can_never_wait_gets_a_400_not_a_429(sched_loop):
+    """Issue 14, item 4, on an idle engine: the prompt alone exceeds
+    --max-waiting-tokens, or n alone exceeds --max-waiting-requests. A 429
+    (retry later) could never succeed, so both get a 400 naming the flag."""
+    handle = sched_loop.get(scheduler=LIMITED)
+    long_prompt = (handle.encode(PROMPT * 40))[:400]  # 400 tokens; limit 300
+    assert len(long_prompt) == 400
+
+    async def run():
+        too_long, long_task = submit(handle.engine, "never-long", long_prompt, greedy(2))
+        params = SamplingParams(n=MAX_WAITING + 1, temperature=0.0, max_tokens=2)
+        too_many, many_task = submit(handle.engine, "never-many", handle.encode(PROMPT), params)
+        await asyncio.gather(long_task, many_task)
+        return too_long, too_many
+
+    too_long, too_many = handle.run(run())
+    assert too_long.failed is not None and too_long.failed.status == 400, too_long
+    assert "--max-waiting-tokens 300" in too_long.failed.message
+    assert too_many.failed is not None and too_many.failed.status == 400, too_many
+    assert too_many.failed.param == "n" and "--max-waiting-requests" in too_many.failed.message
+    handle.assert_all_blocks_free()
