@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import anyio
 import structlog
 from pydantic import ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
@@ -79,17 +79,24 @@ async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
 
     Raises ``APIError``: 415 for a non-JSON content type, 413 over
     ``max_bytes`` (checked on ``Content-Length`` and while reading), 400 for
-    malformed JSON or a body that is not a JSON object.
+    malformed JSON or a body that is not a JSON object, 499 (logged once at
+    info level) when the client disconnects before the body is complete.
     """
     _check_content_type(request)
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > max_bytes):
         raise _too_large(max_bytes) if length.isdigit() else APIError(400, "Invalid Content-Length")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise _too_large(max_bytes)
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise _too_large(max_bytes)
+    except ClientDisconnect:  # the client's choice, not a server error: one info line
+        log.info("client_disconnected", phase="request_body", bytes_received=len(body),
+                 request_id=request.headers.get("x-request-id"), path=request.url.path)
+        raise APIError(CLIENT_CLOSED, "The client disconnected while sending the request body",
+                       code="client_disconnected") from None
     try:
         data = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:

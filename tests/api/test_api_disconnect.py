@@ -90,3 +90,33 @@ async def test_finished_stream_is_not_aborted():
     sent = await call(engine, "/v1/completions", {"prompt": "x", "stream": True}, anyio.Event())
     assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
     assert engine.aborted == []
+
+
+async def test_a_client_leaving_mid_upload_is_one_info_line_not_a_server_error():
+    """Issue 14, item 6: a body cut short by the client (Content-Length 100,
+    2 bytes sent, then gone) logged 47 lines of traceback as an unhandled
+    server error. Now: one info event, a 499 to nobody, no engine call."""
+    from structlog.testing import capture_logs
+
+    engine = FakeEngine()
+    app = build_app(engine, ServerConfig())
+    req_scope = scope("/v1/chat/completions")
+    req_scope["headers"] = req_scope["headers"] + [(b"content-length", b"100"),
+                                                   (b"x-request-id", b"upload-1")]
+    messages = iter([{"type": "http.request", "body": b"{\"a", "more_body": True},
+                     {"type": "http.disconnect"}])
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return next(messages)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    with capture_logs() as logs:
+        await app(req_scope, receive, send)
+    assert sent[0]["status"] == 499, sent
+    assert engine.requests == []
+    assert [e["event"] for e in logs] == ["client_disconnected"], logs
+    assert logs[0]["log_level"] == "info" and logs[0]["request_id"] == "upload-1"
+    assert logs[0]["bytes_received"] == 3
