@@ -159,11 +159,10 @@ class TokenizerActor(Actor):
                                   f"[0, {self.tokenizer.vocab_size}).", param="prompt")
             return tuple(message.prompt_token_ids)
         if message.messages is not None:
-            try:
-                text = self.tokenizer.apply_chat_template(list(message.messages))
+            try:  # message contents are text: special-token strings in them stay text
+                return tuple(self.tokenizer.encode_chat(list(message.messages)))
             except ValueError as exc:
                 raise PromptError(f"Cannot apply the chat template: {exc}", param="messages") from exc
-            return tuple(self.tokenizer.encode(text, add_special_tokens=False))
         return tuple(self.tokenizer.encode(message.prompt or "", add_special_tokens=True))
 
     def _fail(self, request_id: str, text: str, param: str | None) -> None:

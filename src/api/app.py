@@ -176,13 +176,12 @@ def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
     if body.messages is not None:
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        try:
-            text = tokenizer.apply_chat_template([m.to_dict() for m in body.messages],
-                                                 add_generation_prompt=body.add_generation_prompt)
+        try:  # as the engine does: message contents are text
+            return list(tokenizer.encode_chat([m.to_dict() for m in body.messages],
+                                              add_generation_prompt=body.add_generation_prompt))
         except ValueError as exc:
             raise APIError(400, f"Cannot apply the chat template: {exc}",
                            param="messages") from exc
-        return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
@@ -68,6 +69,10 @@ class Tokenizer:
     def __init__(self, path: Path) -> None:
         path = Path(path)
         self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        # A twin that encodes special-token strings as plain text (message
+        # content must not be able to write the template's own markers).
+        self._tok_text = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        self._tok_text.encode_special_tokens = True
         config_path = path / "tokenizer_config.json"
         self._config: dict[str, Any] = (
             json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {})
@@ -110,13 +115,61 @@ class Tokenizer:
         ``add_bos_token: true`` (SmolLM2 says false, so nothing is added). Texts of
         ``RELEASE_GIL_MIN_CHARS`` or more are encoded without holding the GIL (same ids).
         """
-        if len(text) >= RELEASE_GIL_MIN_CHARS:
-            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
-        else:
-            ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._encoding(text).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` with special-token strings in it encoded as
+        ordinary text (``<|im_start|>`` becomes the tokens of those characters,
+        not the control token), as llama.cpp does with ``parse_special=false``."""
+        return self._tok_text.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        """Token ids of ``messages`` rendered by the chat template, where only
+        the template's own text may hold special tokens: a user cannot forge
+        a turn (``<|im_end|>\n<|im_start|>system``) from inside a message.
+
+        The template renders with a placeholder for each string ``content``,
+        which gives the character span of every content in the prompt. The
+        prompt is encoded whole, as usual (so ordinary chats get exactly the
+        ids of rendering and encoding, as HF and vLLM do); only if a special
+        token falls inside a content span is it encoded piecewise instead:
+        the template's text with special tokens parsed, each content by
+        :meth:`encode_text`. Raises ``ValueError`` as
+        :meth:`apply_chat_template` does.
+        """
+        contents: list[str] = []
+        masked = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, str):
+                masked.append({**message, "content": f"{_SLOT_OPEN}{len(contents)}{_SLOT_CLOSE}"})
+                contents.append(content)
+            else:
+                masked.append(message)
+        pieces = _SLOT_RE.split(self.apply_chat_template(masked, add_generation_prompt, **kwargs))
+        parts = [contents[int(p)] if i % 2 else p for i, p in enumerate(pieces)]
+        spans, start = [], 0
+        for i, part in enumerate(parts):
+            if i % 2:
+                spans.append((start, start + len(part)))
+            start += len(part)
+        whole = self._encoding("".join(parts))
+        if not any(token in self._special_ids and any(a <= begin < b for a, b in spans)
+                   for token, (begin, _) in zip(whole.ids, whole.offsets)):
+            return whole.ids
+        return [t for i, part in enumerate(parts) if part
+                for t in (self.encode_text(part) if i % 2 else self.encode(part))]
+
+    def _encoding(self, text: str) -> Any:
+        """The HF ``Encoding`` of ``text`` (special-token strings parsed),
+        without the GIL for long texts (see :meth:`encode`)."""
+        if len(text) >= RELEASE_GIL_MIN_CHARS:
+            return self._tok.encode_batch([text], add_special_tokens=False)[0]
+        return self._tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; special tokens are left out when ``skip_special_tokens``.
@@ -182,6 +235,13 @@ class Tokenizer:
             raise ValueError(f"unsafe chat template: {exc}") from exc
         except TemplateError as exc:
             raise ValueError(f"chat template error: {exc}") from exc
+
+
+#: Placeholders for message contents while the template renders (Unicode
+#: private-use characters, which no tokenizer merges with their neighbours'
+#: meaning); ``_SLOT_RE.split`` gives text, index, text, index, ...
+_SLOT_OPEN, _SLOT_CLOSE = "\ue000kvserve-content-", "\ue001"
+_SLOT_RE = re.compile(re.escape(_SLOT_OPEN) + r"(\d+)" + re.escape(_SLOT_CLOSE))
 
 
 @lru_cache(maxsize=8)

@@ -54,6 +54,12 @@ class RecordingTokenizer:
             raise ValueError("boom")
         return self._tok.apply_chat_template(messages, **kwargs)
 
+    def encode_chat(self, messages, **kwargs) -> list[int]:
+        """Records a template call and an encode (the real one encodes the
+        template's text and each content apart; same ids here: no content
+        holds a special-token string)."""
+        return self.encode(self.apply_chat_template(messages, **kwargs))
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         ids = list(ids)
         self.calls.append(("decode", threading.get_ident(), len(ids)))

@@ -40,6 +40,9 @@ class FakeTokenizer:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + ("assistant: " if add_generation_prompt else "")
 
+    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
 
 def accepted(request: GenerateRequest, num_prompt: int = 3) -> RequestAccepted:
     """The usual first event."""
