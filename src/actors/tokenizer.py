@@ -82,6 +82,9 @@ class TokenizerActor(Actor):
         self.admission = admission
         self._executor = ThreadPoolExecutor(max_workers=num_threads,
                                             thread_name_prefix="kvserve-tokenizer")
+        # No prompt of more characters can fit: refuse it before tokenizing.
+        per_token = getattr(tokenizer, "max_token_bytes", None)
+        self.max_prompt_chars = max_model_len * per_token if per_token else None
         self._in_flight: set[asyncio.Task[None]] = set()
 
     async def handle(self, message: GenerateRequest) -> None:
@@ -90,6 +93,7 @@ class TokenizerActor(Actor):
             return  # aborted before it was tokenized
         try:
             self._check_token_ids(message)
+            self._check_chars(message)
             if prompt_chars(message) < INLINE_MAX_CHARS:
                 self._admit(message, self._tokenize(message))
                 return
@@ -126,6 +130,19 @@ class TokenizerActor(Actor):
                             "messages" if message.messages is not None else "prompt")
         for child in fan_out(message, prompt_ids):
             self.admission.send(child)
+
+    def _check_chars(self, message: GenerateRequest) -> None:
+        """``PromptError`` for a prompt longer in characters than
+        ``max_model_len`` tokens can be: rejected without tokenizing it (a
+        1,000,000-character prompt took 0.7-1.3 s to tokenize before its 400)."""
+        chars = prompt_chars(message)
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise PromptError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {chars:,} characters, more than {self.max_model_len} tokens "
+                f"can hold (at most {self.max_prompt_chars // self.max_model_len} characters "
+                "each). Please reduce the length of the prompt.",
+                param="messages" if message.messages is not None else "prompt")
 
     def _check_token_ids(self, message: GenerateRequest) -> None:
         """Token ids in ``logit_bias`` and ``stop_token_ids`` must be in the vocabulary."""

@@ -242,3 +242,19 @@ def test_detokenizer_window_stays_bounded_over_special_tokens(tok):
     assert "".join(o.text for o in streams.outputs) == tok._tok.decode(ids)
     assert sum(len(o.token_ids) for o in streams.outputs) == len(ids)
     assert streams.outputs[-1].finish_reason == "length"
+
+
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_untokenized(tok):
+    """Issue 14, item 2: more characters than max_model_len tokens can hold
+    (at most ``max_token_bytes`` characters each) is a 400 before any encode
+    or template call."""
+    bound = MAX_MODEL_LEN * tok.max_token_bytes
+    huge = "a" * (bound + 1)
+    received, failures = asyncio.run(run_batch(tok, [
+        request("huge", prompt=huge),
+        request("huge-chat", messages=({"role": "user", "content": huge},))]))
+    assert received == []
+    assert failures["huge"].status == 400 and failures["huge"].param == "prompt"
+    assert failures["huge-chat"].param == "messages"
+    assert "can hold" in failures["huge"].message
+    assert not [c for c in tok.calls if c[0] in ("encode", "template")], tok.calls

@@ -96,3 +96,14 @@ def test_client_disconnect_mid_stream_then_server_still_serves(http) -> None:
             if line.startswith("data: {"):
                 break  # one chunk, then hang up
     _normal_request_succeeds(http)
+
+
+def test_a_prompt_longer_than_any_context_is_refused_before_tokenizing(http) -> None:
+    """Issue 14, item 2: the 400 comes from the character bound (max_model_len
+    x the longest token's bytes), not from tokenizing 100,000 characters."""
+    for body, path in (({"prompt": "x" * 100_000, "max_tokens": 1}, "/v1/completions"),
+                       ({"messages": [{"role": "user", "content": "x" * 100_000}]},
+                        "/v1/chat/completions")):
+        error = assert_openai_error(http.post(path, json=body), 400)
+        assert "can hold" in error["message"], error
+    _normal_request_succeeds(http)
