@@ -395,7 +395,9 @@ class Renderer:
     number of alternatives to list (None: no logprobs requested).
     ``echo_text`` (completions ``echo``) is the prompt text put before each
     choice's text; ``prompt_token_ids`` are set once the engine accepted
-    the request.
+    the request. ``hidden_token_ids``: tokens the text leaves out (special
+    tokens under ``skip_special_tokens``, e.g. the EOS ``<|im_end|>``), left
+    out of chat logprobs too, so that their ``bytes`` join to the content.
     """
 
     kind: Literal["chat", "completion"]
@@ -409,6 +411,7 @@ class Renderer:
     echo: bool = False
     echo_text: str | None = None
     prompt_token_ids: tuple[int, ...] = ()
+    hidden_token_ids: frozenset[int] = frozenset()
 
     @property
     def object_name(self) -> str:
@@ -431,9 +434,10 @@ class Renderer:
                   offsets: Sequence[int]) -> dict[str, Any] | None:
         if self.logprobs_top is None or not entries:
             return None
-        if self.kind == "chat":
-            return chat_logprobs(entries, token_ids, self.token_text, self._bytes,
-                                 self.logprobs_top)
+        if self.kind == "chat":  # tokens the text leaves out (EOS) are not its content
+            kept = [(e, t) for e, t in zip(entries, token_ids) if t not in self.hidden_token_ids]
+            return chat_logprobs([e for e, _ in kept], [t for _, t in kept], self.token_text,
+                                 self._bytes, self.logprobs_top)
         base = len(self._echo_prefix())
         return completion_logprobs(entries, token_ids, [base + o for o in offsets],
                                    self.token_text)

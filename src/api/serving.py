@@ -461,6 +461,15 @@ async def _first_event(stream: RequestStream) -> StreamEvent:
     raise APIError(500, "The engine closed the stream without an answer", type="server_error")
 
 
+def _hidden_ids(engine: EngineClient, params: SamplingParams) -> frozenset[int]:
+    """Token ids the response text leaves out: the special ones, under
+    ``skip_special_tokens`` (none when the engine has no tokenizer)."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if not params.skip_special_tokens or tokenizer is None:
+        return frozenset()
+    return frozenset(getattr(tokenizer, "all_special_ids", ()))
+
+
 @dataclass(frozen=True)
 class Prepared:
     """A validated request ready for the engine, plus how to render the answer."""
@@ -571,7 +580,8 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
     renderer = Renderer(kind, request_id, served_model(engine, config), token_text_for(engine),
                         logprobs_top=params.logprobs, include_usage=body.include_usage,
                         token_bytes=token_bytes_for(engine), echo=echo,
-                        echo_text=inputs.get("prompt") if echo else None)
+                        echo_text=inputs.get("prompt") if echo else None,
+                        hidden_token_ids=_hidden_ids(engine, params))
     if config.log_prompts:
         log.info("api_request_prompt", request_id=request_id, prompt=inputs.get("prompt"),
                  prompt_token_ids=inputs.get("prompt_token_ids"),

@@ -135,3 +135,17 @@ def _prompt_logprobs(e2e_engine, request: dict):
 
     events = e2e_engine.run(_outputs(e2e_engine.engine, make_request(**request)))
     return next(e.prompt_logprobs for e in events if e.prompt_logprobs is not None)
+
+
+def test_chat_logprobs_leave_out_the_eos_token(http) -> None:
+    """Issue 14, item 8: a reply that ends with EOS listed <|im_end|> as its
+    last logprob entry, so the entries' bytes no longer joined to the
+    content. Measured with greedy decoding: this reply ends with EOS."""
+    body = {"messages": [{"role": "user", "content": "Reply with one word: yes or no. "
+                          "Is water wet?"}], "max_tokens": 30, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    entries = choice["logprobs"]["content"]
+    assert all(e["token"] != "<|im_end|>" for e in entries), entries
+    assert bytes(b for e in entries for b in e["bytes"]).decode() == choice["message"]["content"]
