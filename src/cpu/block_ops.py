@@ -20,7 +20,7 @@ import numpy as np
 
 from kvserve.cpu import block_kernels as bk
 from kvserve.cpu.ops import _PARALLEL_REGION
-from kvserve.cpu.quant_ops import _check_array, _parallel_chunks
+from kvserve.cpu.quant_ops import _check_array, parallel_chunks
 from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
 
 #: Rows up to which the panel kernel beats dequantize + sgemm. Measured on
@@ -76,7 +76,7 @@ def linear_blocks(x: np.ndarray, w: BlockQuantizedWeight, bias: np.ndarray | Non
         _check_array("bias", bias, np.float32, 1)
         if bias.shape != (n,):
             raise ValueError(f"bias: shape {bias.shape}, expected ({n},)")
-    chunks = _parallel_chunks(x.shape, n, num_threads)
+    chunks = parallel_chunks(x.shape, n, num_threads)
     if x.shape[0] <= GEMV_MAX_ROWS:
         out = _gemv(x, w, chunks)
     else:

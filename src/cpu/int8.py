@@ -162,7 +162,7 @@ def linear_w8a8(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
         # weight-only tile kernel (see the module docstring).
         x_deq = xq.astype(np.float32) * np.repeat(x_scales, group, axis=1)
         return quant_ops.linear_int8(x_deq, qweight, scales, bias, num_threads)
-    n_chunks = quant_ops._parallel_chunks(x.shape, qweight.shape[0], num_threads)
+    n_chunks = quant_ops.parallel_chunks(x.shape, qweight.shape[0], num_threads)
     if n_chunks:
         with quant_ops._PARALLEL_REGION:
             out = w8a8_accumulate(xq, x_scales, qweight, group, n_chunks)

@@ -211,10 +211,10 @@ class CpuOps:
 
     def _gemv(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         """``x @ weight.T`` by ``kernels.f32_gemv_*``: float32[M, K] x, float32[N, K] weight."""
-        from kvserve.cpu.quant_ops import _parallel_chunks  # imports this module
+        from kvserve.cpu.quant_ops import parallel_chunks  # imports this module
 
         out = np.empty((x.shape[0], weight.shape[0]), dtype=_F32)
-        chunks = _parallel_chunks(x.shape, weight.shape[0], self._threads())
+        chunks = parallel_chunks(x.shape, weight.shape[0], self._threads())
         if chunks:
             with _PARALLEL_REGION:
                 kernels.f32_gemv_parallel(x, weight, out, chunks)

@@ -37,7 +37,7 @@ from kvserve.cpu.ops import _PARALLEL_REGION
 from kvserve.cpu.quant_kernels import INT8_MAX, W8A8_MAX_K, quantize_activations
 
 __all__ = ["GEMV_MAX_ROWS", "PARALLEL_MIN_MACS", "linear_int8", "linear_w8a8",
-           "quantize_activations", "quantize_weight", "w8a8_accumulate"]
+           "parallel_chunks", "quantize_activations", "quantize_weight", "w8a8_accumulate"]
 
 #: Products with at most this many rows (decode batches) take the GEMV loop
 #: order, larger ones the cache-tiled one. Up to one row tile (MR rows) the
@@ -106,7 +106,7 @@ def linear_int8(x: np.ndarray, wq: np.ndarray, scales: np.ndarray,
     _check_operands(x, wq, scales, bias)
     out = np.empty((x.shape[0], wq.shape[0]), dtype=np.float32)
     tiled = x.shape[0] > GEMV_MAX_ROWS
-    n_chunks = _parallel_chunks(x.shape, wq.shape[0], num_threads)
+    n_chunks = parallel_chunks(x.shape, wq.shape[0], num_threads)
     if n_chunks:
         with _PARALLEL_REGION:
             qk.int8_parallel(x, wq, scales, out, tiled, n_chunks)
@@ -146,7 +146,7 @@ def w8a8_accumulate(xq: np.ndarray, wq: np.ndarray, num_threads: int | None = No
     _check_operands(xq, wq, x_name="xq", x_dtype=np.int8, max_k=W8A8_MAX_K)
     acc = np.empty((xq.shape[0], wq.shape[0]), dtype=np.int32)
     tiled = xq.shape[0] > GEMV_MAX_ROWS
-    n_chunks = _parallel_chunks(xq.shape, wq.shape[0], num_threads)
+    n_chunks = parallel_chunks(xq.shape, wq.shape[0], num_threads)
     if n_chunks:
         with _PARALLEL_REGION:
             qk.w8a8_parallel(xq, wq, acc, tiled, n_chunks)
@@ -160,8 +160,10 @@ def w8a8_accumulate(xq: np.ndarray, wq: np.ndarray, num_threads: int | None = No
 # --------------------------------------------------------------------------- #
 
 
-def _parallel_chunks(x_shape: tuple[int, int], n: int, num_threads: int | None) -> int:
-    """Channel ranges to run in parallel, 0 for a serial call.
+def parallel_chunks(x_shape: tuple[int, int], n: int, num_threads: int | None) -> int:
+    """Channel ranges to run in parallel, 0 for a serial call: the one rule
+    of every CPU product (int8, w8a8, GGUF blocks, the float32 GEMV) for
+    ``x_shape`` (M, K) times N channels, by ``PARALLEL_MIN_MACS``.
 
     Applies ``num_threads`` to the calling thread (Numba's setting is per
     thread, as in ``CpuOps._threads``).

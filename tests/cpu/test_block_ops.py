@@ -62,7 +62,7 @@ def test_parallel_paths(ggml_type, m, monkeypatch):
     """Numba's threads split the channels into ranges of whole panels."""
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.fail("needs NUMBA_NUM_THREADS >= 2 to run the parallel kernels")
-    monkeypatch.setattr(bo, "_parallel_chunks", lambda shape, n, threads: 2)
+    monkeypatch.setattr(bo, "parallel_chunks", lambda shape, n, threads: 2)
     monkeypatch.setattr(bo, "GEMV_MAX_ROWS", 8)
     monkeypatch.setattr(bo, "PREFILL_PANEL_FLOATS", 8 * K)
     x, weight, dense = operands(ggml_type, m, n=4 * 5 + 1, seed=7)

@@ -304,7 +304,7 @@ def test_dense_linear_gemv_and_blas_paths_match_float64(m, chunks, monkeypatch):
     group of four channels. Bound: float32 summation, (K + 1) u |x| |w|^T."""
     from kvserve.cpu import quant_ops
 
-    monkeypatch.setattr(quant_ops, "_parallel_chunks", lambda shape, n, threads: chunks)
+    monkeypatch.setattr(quant_ops, "parallel_chunks", lambda shape, n, threads: chunks)
     rng = np.random.default_rng(m)
     x = rng.standard_normal((m, 77)).astype(np.float32)
     w = rng.standard_normal((23, 77)).astype(np.float32)
