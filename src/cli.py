@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="abort a request that has not finished after this many seconds")
     serve.add_argument("--drain-timeout", type=POSITIVE_FLOAT, default=30.0,
                        help="on SIGTERM, seconds to let accepted requests finish")
+    _add_connection_args(serve)
     gen = sub.add_parser("generate", help="generate a completion for one prompt, in-process")
     _add_engine_args(gen)
     gen.add_argument("prompt")
@@ -197,13 +198,31 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _add_connection_args(serve: argparse.ArgumentParser) -> None:
+    """Connection limits (``kvserve.api.connections``); defaults from ``ServerConfig``."""
+    d = ServerConfig()
+    serve.add_argument("--timeout-keep-alive", type=POSITIVE_FLOAT, default=d.timeout_keep_alive,
+                       help="close a connection idle this many seconds (new, or between "
+                            "requests; uvicorn's flag)")
+    serve.add_argument("--timeout-request-head", type=POSITIVE_FLOAT,
+                       default=d.timeout_request_head,
+                       help="408 when a request head takes longer than this many seconds")
+    serve.add_argument("--timeout-request-body", type=POSITIVE_FLOAT,
+                       default=d.timeout_request_body,
+                       help="408 when a request body takes longer than this many seconds")
+    serve.add_argument("--max-connections", type=POSITIVE_INT, default=d.max_connections,
+                       help="open connections above this get 503 and are closed at once")
+    serve.add_argument("--max-header-bytes", type=POSITIVE_INT, default=d.max_header_bytes,
+                       help="larger request headers get 431")
+
+
 async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     import os
 
     import uvicorn
 
     from kvserve.api.app import build_app
-    from kvserve.api.server import DrainingServer
+    from kvserve.api.server import DrainingServer, fit_file_limit, uvicorn_config
 
     from kvserve.metrics import metrics_route
 
@@ -212,14 +231,16 @@ async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
                                  request_timeout=args.request_timeout,
                                  stats_interval=args.stats_interval,
                                  log_prompts=getattr(args, "log_prompts", False))
-    server_config = ServerConfig(host=args.host, port=args.port,
-                                 api_key=api_key,
-                                 served_model_name=args.served_model_name,
-                                 max_request_bytes=args.max_request_bytes,
-                                 log_prompts=args.log_prompts)
+    server_config = ServerConfig(
+        host=args.host, port=args.port, api_key=api_key,
+        served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
+        log_prompts=args.log_prompts, timeout_keep_alive=args.timeout_keep_alive,
+        timeout_request_head=args.timeout_request_head,
+        timeout_request_body=args.timeout_request_body,
+        max_connections=fit_file_limit(args.max_connections),
+        max_header_bytes=args.max_header_bytes)
     app = build_app(engine, server_config, extra_routes=[metrics_route(engine.metrics)])
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
-                            access_log=False, timeout_graceful_shutdown=5)
+    config = uvicorn_config(app, server_config)
     try:
         await DrainingServer(config, engine, args.drain_timeout).serve()
     finally:

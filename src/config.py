@@ -140,7 +140,16 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """HTTP server settings (``kvserve serve``)."""
+    """HTTP server settings (``kvserve serve``).
+
+    Connection limits (``kvserve.api.connections``): ``timeout_keep_alive``
+    seconds an idle connection is kept (uvicorn's and vLLM's default, 5);
+    ``timeout_request_head`` / ``timeout_request_body`` seconds from a
+    request head's first byte to its end, and from the head to the body's
+    end (408 after); ``max_connections`` open connections (more get 503);
+    ``max_header_bytes`` of request header lines (more get 431; nginx and
+    h11 default to 8 and 16 KiB).
+    """
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -148,6 +157,11 @@ class ServerConfig:
     served_model_name: str | None = None
     max_request_bytes: int = 1024 * 1024
     log_prompts: bool = False
+    timeout_keep_alive: float = 5.0
+    timeout_request_head: float = 10.0
+    timeout_request_body: float = 30.0
+    max_connections: int = 2048
+    max_header_bytes: int = 16 * 1024
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.actors.stream import EngineClient
+from kvserve.api.connections import HeaderSizeLimit
 from kvserve.api.errors import EXCEPTION_HANDLERS, APIError, error_body
 from kvserve.api.protocol import (
     ChatCompletionRequest,
@@ -79,7 +80,8 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
 
     ``extra_routes`` (for example ``/metrics``) are added after the OpenAI
     routes. With ``server_config.api_key`` set, every path except ``/health``
-    and ``/metrics`` needs the bearer key.
+    and ``/metrics`` needs the bearer key. Headers over
+    ``server_config.max_header_bytes`` get 431 before anything else.
     """
     created = int(time.time())
 
@@ -161,6 +163,7 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
     app.state.server_config = server_config
     if server_config.api_key:
         app.add_middleware(BearerAuth, api_key=server_config.api_key)
+    app.add_middleware(HeaderSizeLimit, max_bytes=server_config.max_header_bytes)
     return app
 
 

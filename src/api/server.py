@@ -1,19 +1,62 @@
-"""The ASGI server: uvicorn, with a graceful drain on SIGTERM.
+"""The ASGI server: uvicorn, with connection limits and a graceful drain on SIGTERM.
 
 uvicorn because it is the standard ASGI server for Starlette, runs on uvloop,
-and is maintained; a server of our own would add nothing we need.
+and is maintained; a server of our own would add nothing we need. The limits
+uvicorn lacks (timeouts on a request's head and body and on a new idle
+connection, a connection bound) are timers on its own h11 protocol
+(``kvserve.api.connections``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import resource
 import signal
 from types import FrameType
 
 import uvicorn
 import structlog
 
+from kvserve.api.connections import protocol_class
+from kvserve.config import ServerConfig
+
 log = structlog.get_logger("kvserve.server")
+
+#: File descriptors kept for everything but client connections (model files,
+#: pipes, the listening socket, threads' eventfds).
+RESERVED_FDS = 256
+
+
+def uvicorn_config(app, server: ServerConfig) -> uvicorn.Config:
+    """uvicorn's settings for ``server``: its h11 protocol with our limits
+    (``GuardedH11Protocol``), h11's bound on an incomplete head, the
+    keep-alive timeout, no access log (the engine logs every request)."""
+    return uvicorn.Config(app, host=server.host, port=server.port, log_config=None,
+                          access_log=False, timeout_graceful_shutdown=5,
+                          http=protocol_class(server),
+                          timeout_keep_alive=server.timeout_keep_alive,  # type: ignore[arg-type]
+                          h11_max_incomplete_event_size=server.max_header_bytes)
+
+
+def fit_file_limit(max_connections: int) -> int:
+    """Raise the soft open-file limit to the hard one (as vLLM does), and
+    return ``max_connections``, lowered (with a warning) so that the
+    connections and ``RESERVED_FDS`` fit the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    fits = max(1, soft - RESERVED_FDS)
+    if max_connections > fits:
+        log.warning("max_connections_lowered", max_connections=fits, requested=max_connections,
+                    open_file_limit=soft, message=f"--max-connections lowered to {fits}: the "
+                    f"open-file limit is {soft}")
+        return fits
+    return max_connections
 
 
 class DrainingServer(uvicorn.Server):

@@ -1,0 +1,196 @@
+"""Connection hygiene (issue 14, failure 1): idle sockets, a request head or
+body that trickles in, too many connections and oversized headers are all
+bounded. A real uvicorn server (``kvserve.api.server.uvicorn_config``) on a
+fake engine, driven with raw sockets, since an HTTP client cannot send half a
+request. Each test waits on the socket with a deadline, never on a sleep."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from fake_engine import FakeEngine
+
+from kvserve.api import build_app
+from kvserve.api.server import uvicorn_config
+from kvserve.config import ServerConfig
+
+LIMITS = ServerConfig(port=0, timeout_keep_alive=0.5, timeout_request_head=1.0,
+                      timeout_request_body=1.0, max_connections=40, max_header_bytes=4096)
+#: Seconds a test allows beyond a timeout for the server to act on it.
+SLACK = 3.0
+
+
+class ServerThread:
+    """uvicorn with ``limits`` on a fake engine, on its own event-loop thread."""
+
+    def __init__(self, limits: ServerConfig) -> None:
+        app = build_app(FakeEngine(), limits)
+        self.server = uvicorn.Server(uvicorn_config(app, limits))
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()),
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+
+    def connect(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        return sock
+
+    @property
+    def open_connections(self) -> int:
+        return len(self.server.server_state.connections)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    handle = ServerThread(LIMITS)
+    yield handle
+    handle.stop()
+
+
+def read_until_closed(sock: socket.socket, within: float) -> bytes:
+    """Everything the server sends until it closes the connection; fails if
+    it is still open after ``within`` seconds."""
+    sock.settimeout(within)
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except TimeoutError:
+        pytest.fail(f"the server kept the connection open for more than {within} s")
+    except ConnectionResetError:
+        pass
+    return b"".join(chunks)
+
+
+def status_of(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1])
+
+
+def error_of(response: bytes) -> dict:
+    return json.loads(response.partition(b"\r\n\r\n")[2])["error"]
+
+
+def get(server: ServerThread, path: str = "/health", headers: str = "") -> bytes:
+    with server.connect() as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n{headers}\r\n"
+                     .encode())
+        return read_until_closed(sock, 10)
+
+
+def test_idle_connection_is_closed_after_the_keep_alive_timeout(server: ServerThread) -> None:
+    with server.connect() as sock:
+        start = time.monotonic()
+        assert read_until_closed(sock, LIMITS.timeout_keep_alive + SLACK) == b""
+        assert time.monotonic() - start >= LIMITS.timeout_keep_alive * 0.9
+
+
+def test_idle_after_a_response_is_closed_too(server: ServerThread) -> None:
+    with server.connect() as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        response = read_until_closed(sock, LIMITS.timeout_keep_alive + SLACK)
+        assert status_of(response) == 200
+
+
+@pytest.mark.parametrize("partial", [
+    b"GET /heal",                                        # a partial request line
+    b"GET /health HTTP/1.1\r\nhost: x\r\nx-slow: 1",     # partial headers
+])
+def test_a_partial_request_head_gets_408(server: ServerThread, partial: bytes) -> None:
+    with server.connect() as sock:
+        sock.sendall(partial)
+        response = read_until_closed(sock, LIMITS.timeout_request_head + SLACK)
+    assert status_of(response) == 408
+    assert "head" in error_of(response)["message"]
+
+
+def test_a_head_trickling_in_byte_by_byte_still_gets_408(server: ServerThread) -> None:
+    """Each byte resets the keep-alive timer; the head deadline does not move."""
+    with server.connect() as sock:
+        start = time.monotonic()
+        sock.settimeout(0.2)
+        for byte in b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-a: " + b"a" * 200:
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                break  # closed on us: what we expect
+            try:
+                if sock.recv(65536, socket.MSG_PEEK):
+                    break
+            except TimeoutError:
+                pass
+        response = read_until_closed(sock, SLACK)
+    assert status_of(response) == 408
+    assert time.monotonic() - start < LIMITS.timeout_request_head + SLACK
+
+
+def test_a_partial_body_gets_408_and_the_server_goes_on(server: ServerThread) -> None:
+    """The issue's example: Content-Length 100, 2 bytes sent."""
+    with server.connect() as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: 100\r\n\r\n{\"")
+        response = read_until_closed(sock, LIMITS.timeout_request_body + SLACK)
+    assert status_of(response) == 408
+    assert "body" in error_of(response)["message"]
+    assert status_of(get(server)) == 200
+
+
+def test_connections_above_the_bound_get_503_before_anything_is_read(
+        server: ServerThread) -> None:
+    held = [server.connect() for _ in range(LIMITS.max_connections)]
+    try:
+        deadline = time.monotonic() + 10
+        while server.open_connections < LIMITS.max_connections:
+            assert time.monotonic() < deadline, "the server did not accept the connections"
+            time.sleep(0.01)
+        with server.connect() as extra:  # sends nothing: refused on accept
+            response = read_until_closed(extra, SLACK)
+        assert status_of(response) == 503
+        assert error_of(response)["type"] == "service_unavailable"
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while server.open_connections > 0:
+        assert time.monotonic() < deadline, "closed connections are still counted"
+        time.sleep(0.01)
+    assert status_of(get(server)) == 200
+
+
+def test_headers_above_the_bound_get_431(server: ServerThread) -> None:
+    """A 60 KB X-Request-Class used to be accepted and copied into the log."""
+    response = get(server, headers=f"x-request-class: {'a' * 60_000}\r\n")
+    assert status_of(response) == 431
+    assert "max-header-bytes" in error_of(response)["message"]
+    many = "".join(f"x-h{i}: {'b' * 50}\r\n" for i in range(100))  # another shape: many headers
+    assert status_of(get(server, headers=many)) == 431
+    assert status_of(get(server, headers="x-small: 1\r\n")) == 200
+
+
+def test_a_head_growing_past_the_bound_in_pieces_is_refused(server: ServerThread) -> None:
+    """h11's bound on an incomplete head: the connection is answered 400 and
+    closed without waiting for the rest."""
+    with server.connect() as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n")
+        for _ in range(10):
+            try:
+                sock.sendall(b"x-pad: " + b"c" * 1000 + b"\r\n")
+            except OSError:
+                break
+        response = read_until_closed(sock, SLACK)
+    assert status_of(response) == 400
