@@ -122,7 +122,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         quantization=args.quantization, cache=cache,
                         scheduler=scheduler,
                         logprobs_mode=args.logprobs_mode, seed=args.seed,
-                        num_threads=args.num_threads)
+                        num_threads=args.num_threads,
+                        fault_injection=getattr(args, "fault_injection", None))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=POSITIVE_FLOAT, default=30.0,
                        help="on SIGTERM, seconds to let accepted requests finish")
     _add_connection_args(serve)
+    serve.add_argument("--fault-injection", type=_fault_injection, default=None,
+                       metavar="JSON", help="TESTS ONLY: make steps fail or actors die "
+                       "on purpose (kvserve.faults); never in production")
     gen = sub.add_parser("generate", help="generate a completion for one prompt, in-process")
     _add_engine_args(gen)
     gen.add_argument("prompt")
@@ -196,6 +200,15 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--max-num-seqs", type=POSITIVE_INT, default=64,
                       help="GPU: most sequences per step, for the activation estimate")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _fault_injection(text: str):
+    from kvserve.faults import FaultInjection
+
+    try:
+        return FaultInjection.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_connection_args(serve: argparse.ArgumentParser) -> None:

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.faults import FaultInjection
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "raw_logits")
@@ -191,6 +195,8 @@ class EngineConfig:
     logprobs_mode: str = "processed_logprobs"
     seed: int = 0
     num_threads: int | None = None
+    #: Test-only faults (``kvserve.faults.FaultInjection``); None injects none.
+    fault_injection: FaultInjection | None = None
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:

@@ -28,6 +28,7 @@ from kvserve.actors.worker import WorkerActor, worker_executor
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler
+from kvserve.faults import FaultInjection, FaultyRunner, arm_actor_death
 from kvserve.metrics import EngineMetrics
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights
@@ -180,6 +181,22 @@ class AsyncEngine:
         self._actors = [self.tokenizer_actor, self.admission, self.scheduler, self.worker,
                         self.detokenizer]
         self._ready = False
+        self._stopping = False
+        #: Why the engine stopped serving (an actor died), or None while healthy.
+        self.dead_reason: str | None = None
+        self._inject_faults(core.config.fault_injection)
+
+    def _inject_faults(self, faults: FaultInjection | None) -> None:
+        """Test-only faults (``kvserve.faults``): off unless the config asks."""
+        if faults is None:
+            return
+        log.warning("fault_injection_enabled", faults=repr(faults),
+                    message="Fault injection is on: this engine fails on purpose (tests only)")
+        if faults.faults_steps:
+            self.worker.runner = FaultyRunner(self.worker.runner, faults)
+        if faults.kill_actor is not None:
+            actor = next(a for a in self._actors if a.name == faults.kill_actor)
+            arm_actor_death(actor, faults.kill_after_messages)
 
     @classmethod
     async def start(cls, config: EngineConfig, model_name: str | None = None,
@@ -209,9 +226,12 @@ class AsyncEngine:
         return engine
 
     def start_actors(self) -> None:
-        """Start every actor's run loop (and the stats logger) on the running loop."""
+        """Start every actor's run loop (and the stats logger) on the running
+        loop; an actor whose loop ends before ``shutdown`` kills the engine
+        (``_on_actor_exit``)."""
         for actor in self._actors:
-            actor.start()
+            task = actor.start()
+            task.add_done_callback(lambda t, name=actor.name: self._on_actor_exit(name, t))
         if self.stats_interval and self.stats_interval > 0:
             self._stats_task = asyncio.create_task(self._log_stats_loop(), name="stats")
         self._ready = True
@@ -229,6 +249,22 @@ class AsyncEngine:
                 self.log_stats()
             except Exception:  # noqa: BLE001 - statistics must never stop the engine
                 log.exception("engine_stats_failed")
+
+    def _on_actor_exit(self, name: str, task: asyncio.Task[None]) -> None:
+        """An actor's loop ended: expected at shutdown; otherwise the engine
+        is dead. Every open request ends with a 500 error event (none hangs),
+        new ones get 503 and ``/health`` 503 with ``dead_reason``."""
+        if self._stopping:
+            return
+        exc = None if task.cancelled() else task.exception()
+        cause = f"{type(exc).__name__}: {exc}" if exc is not None else "its loop ended"
+        self.dead_reason = f"the {name} actor died ({cause})"
+        self._ready = False
+        log.error("actor_died", actor=name, error=cause, open_requests=len(self.streams),
+                  exc_info=exc, message=f"The engine stopped serving: {self.dead_reason}")
+        for request_id in self.streams.ids():
+            self.streams.fail(RequestFailed(request_id, 500, f"The engine failed: "
+                                            f"{self.dead_reason}.", type="server_error"))
 
     def is_ready(self) -> bool:
         """True while the engine accepts requests."""
@@ -266,6 +302,9 @@ class AsyncEngine:
 
     def _refuse(self, request: GenerateRequest) -> RequestFailed | None:
         rid = request.request_id
+        if self.dead_reason is not None:
+            return RequestFailed(rid, 503, f"The engine failed: {self.dead_reason}.",
+                                 type="service_unavailable")
         if not self._ready:
             return RequestFailed(rid, 503, "The server is not accepting requests "
                                  "(starting up or draining).", type="service_unavailable")
@@ -320,6 +359,7 @@ class AsyncEngine:
         """Stop the stats logger (after a last ``engine_stats`` line) and the
         actors in data-flow order."""
         self._ready = False
+        self._stopping = True
         if self._stats_task is not None:
             self._stats_task.cancel()
             try:

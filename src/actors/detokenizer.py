@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.actors.base import Actor
-from kvserve.actors.messages import AbortRequest, RequestOutput, TokenDelta, TokenizedRequest
-from kvserve.actors.registry import StreamRegistry
+from kvserve.actors.messages import (AbortRequest, RequestFailed, RequestOutput, TokenDelta,
+                                     TokenizedRequest)
+from kvserve.actors.registry import StreamRegistry, child_request_ids
 from kvserve.core.detokenize import IncrementalDetokenizer
 
 
@@ -86,7 +87,7 @@ class DetokenizerActor(Actor):
         super().__init__()
         self.tokenizer = tokenizer
         self.streams = streams
-        self.admission: Actor | None = None  # gets AbortRequest(reason="stop")
+        self.admission: Actor | None = None  # gets AbortRequests (stop strings, failed siblings)
         self._samples: dict[str, _Sample] = {}
         self._token_bytes = token_bytes_of(tokenizer)
         self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
@@ -119,6 +120,9 @@ class DetokenizerActor(Actor):
         sample = self._samples.get(delta.request_id)
         if sample is None:
             return  # already finished by a stop string
+        if delta.finish_reason == "error":
+            self._fail(sample, delta)
+            return
         if delta.prompt_logprobs is not None:
             sample.prompt_logprobs = delta.prompt_logprobs
         sample.num_output_tokens += len(delta.new_token_ids)
@@ -138,6 +142,19 @@ class DetokenizerActor(Actor):
             del self._samples[delta.request_id]
         if text.text or finish_reason is not None:
             self._emit(sample, delta, text.text, finish_reason)
+
+    def _fail(self, sample: _Sample, delta: TokenDelta) -> None:
+        """The engine failed this sample (a step raised): the client's request
+        ends with a 500 error event, and its other samples are aborted."""
+        n = self.streams.num_samples(sample.parent_id)
+        del self._samples[delta.request_id]
+        self.streams.fail(RequestFailed(
+            sample.parent_id, 500, f"The engine failed while computing this request: "
+            f"{delta.error or 'unknown error'}", type="server_error"))
+        siblings = tuple(rid for rid in child_request_ids(sample.parent_id, n)
+                         if rid != delta.request_id)
+        if siblings and self.admission is not None:
+            self.admission.send(AbortRequest(siblings, reason="abort"))
 
     def _emit(self, sample: _Sample, delta: TokenDelta, text: str, finish_reason: str | None) -> None:
         """Send the text with the tokens whose first character it holds."""

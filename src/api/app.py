@@ -107,11 +107,13 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
-        """``GET /health``: 200 when the engine is ready, else 503."""
+        """``GET /health``: 200 when the engine is ready, else 503 (saying why
+        when the engine failed)."""
         if engine.is_ready():
             return JSONResponse({"status": "ok"})
-        return JSONResponse(error_body("The engine is not ready", "service_unavailable"),
-                            status_code=503)
+        reason = getattr(engine, "dead_reason", None)
+        message = f"The engine failed: {reason}" if reason else "The engine is not ready"
+        return JSONResponse(error_body(message, "service_unavailable"), status_code=503)
 
     async def tokenize(request: Request) -> Response:
         """``POST /tokenize`` (vLLM): ``{"prompt"}`` or ``{"messages"}`` ->
@@ -185,7 +187,8 @@ def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
         except ValueError as exc:
             raise APIError(400, f"Cannot apply the chat template: {exc}",
                            param="messages") from exc
-    return list(tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens))
+    return list(tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens,
+                                 parse_special=body.parse_special))
 
 
 def _version() -> str:

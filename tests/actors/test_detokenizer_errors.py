@@ -1,0 +1,70 @@
+"""A sample the engine failed (a step raised) ends its client's request with a
+500 error event that says why, not a silent ``finish_reason: "error"``; the
+request's other samples are aborted."""
+
+import asyncio
+
+from kvserve.actors.detokenizer import DetokenizerActor
+from kvserve.actors.messages import (AbortRequest, RequestFailed, RequestOutput, TokenDelta,
+                                     TokenizedRequest)
+from kvserve.actors.registry import StreamRegistry
+from kvserve.core.sampling_params import SamplingParams
+
+
+class Inbox:
+    def __init__(self):
+        self.messages = []
+
+    def send(self, message):
+        self.messages.append(message)
+
+
+class ByteTokenizer:
+    """Token id i decodes to chr(i)."""
+
+    all_special_ids = ()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def events(stream):
+    async def drain():
+        return [event async for event in stream]
+    return asyncio.run(drain())
+
+
+def setup(n: int):
+    streams = StreamRegistry()
+    stream = streams.open("r", n)
+    actor = DetokenizerActor(ByteTokenizer(), streams)
+    actor.admission = Inbox()
+    ids = ["r"] if n == 1 else [f"r-{i}" for i in range(n)]
+    for i, rid in enumerate(ids):
+        asyncio.run(actor.handle(TokenizedRequest(rid, "r", i, (1, 2), SamplingParams(),
+                                                  arrival_time=0.0)))
+    return actor, streams, stream, ids
+
+
+def test_a_failed_step_ends_the_request_with_a_500_that_says_why() -> None:
+    actor, streams, stream, _ = setup(1)
+    asyncio.run(actor.handle(TokenDelta("r", (72,), None, num_prompt_tokens=2)))
+    asyncio.run(actor.handle(TokenDelta("r", (), "error", num_prompt_tokens=2,
+                                        error="RuntimeError: CUDA error")))
+    got = events(stream)
+    assert isinstance(got[0], RequestOutput) and got[0].text == "H"
+    assert isinstance(got[-1], RequestFailed)
+    assert got[-1].status == 500 and got[-1].type == "server_error"
+    assert "RuntimeError: CUDA error" in got[-1].message
+    assert streams.get("r") is None
+    assert actor.admission.messages == []
+
+
+def test_a_failed_sample_aborts_its_siblings() -> None:
+    actor, streams, stream, ids = setup(3)
+    asyncio.run(actor.handle(TokenDelta("r-1", (), "error", num_prompt_tokens=2,
+                                        error="InjectedFault: step 4")))
+    got = events(stream)
+    assert [type(e) for e in got] == [RequestFailed]
+    (abort,) = actor.admission.messages
+    assert isinstance(abort, AbortRequest) and set(abort.request_ids) == {"r-0", "r-2"}
