@@ -42,7 +42,9 @@ class GenerateRequest:
     model's chat template) or ``prompt_token_ids`` is set.
     ``priority``: lower is served first (vLLM's convention).
     ``request_class``: an optional workload label (``X-Request-Class``) that
-    is carried into logs and metrics.
+    is carried into logs and metrics. ``parse_special``: special-token
+    strings in a text ``prompt`` become control tokens (llama.cpp's
+    ``parse_special``); by default they are text, as in message contents.
     """
 
     request_id: str
@@ -53,6 +55,7 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     priority: int = 0
     request_class: str | None = None
+    parse_special: bool = False
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,8 @@ class TokenizerActor(Actor):
                 return tuple(self.tokenizer.encode_chat(list(message.messages)))
             except ValueError as exc:
                 raise PromptError(f"Cannot apply the chat template: {exc}", param="messages") from exc
-        return tuple(self.tokenizer.encode(message.prompt or "", add_special_tokens=True))
+        return tuple(self.tokenizer.encode(message.prompt or "", add_special_tokens=True,
+                                           parse_special=message.parse_special))
 
     def _fail(self, request_id: str, text: str, param: str | None) -> None:
         self.log.info("request_rejected", request_id=request_id, reason=text, status=400)

@@ -163,13 +163,17 @@ class CompletionRequest(_CommonRequest):
     the engine anyway. ``max_tokens`` defaults to 16 as in OpenAI's
     reference. ``echo`` puts the prompt before the completion in ``text``;
     with ``logprobs`` the prompt's tokens come first in ``logprobs``, the
-    first one with a null logprob (nothing predicts it).
+    first one with a null logprob (nothing predicts it). ``parse_special``
+    (llama.cpp's name, a kvserve extension, default false): special-token
+    strings in a text prompt (``<|im_start|>``) become control tokens;
+    without it they are text, so a prompt cannot forge a chat turn.
     """
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    parse_special: bool = False
 
     def prompt_input(self) -> tuple[str | None, tuple[int, ...] | None]:
         """``(prompt_text, prompt_token_ids)``, exactly one set; ``ValueError``
@@ -198,13 +202,15 @@ class CompletionRequest(_CommonRequest):
 
 class TokenizeRequest(_Model):
     """Body of ``POST /tokenize`` (vLLM's extension): either ``prompt`` (text,
-    with ``add_special_tokens``, default true) or chat ``messages`` (rendered
+    with ``add_special_tokens``, default true, and ``parse_special``, default
+    false, as ``/v1/completions`` takes them) or chat ``messages`` (rendered
     with the chat template, ``add_generation_prompt`` default true)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    parse_special: bool = False
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 

@@ -571,7 +571,8 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
             text, token_ids = body.prompt_input()
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt") from exc
-        inputs = {"prompt": text, "prompt_token_ids": token_ids}
+        inputs = {"prompt": text, "prompt_token_ids": token_ids,
+                  "parse_special": body.parse_special}
     priority = headers.priority if headers.priority is not None else body.priority
     generate = GenerateRequest(request_id=request_id, sampling_params=params,
                                arrival_time=time.monotonic(), priority=priority,

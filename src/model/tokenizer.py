@@ -108,15 +108,19 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encode / decode
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False,
+               parse_special: bool = True) -> list[int]:
         """Token ids of ``text``.
 
-        Special-token strings inside ``text`` (e.g. ``<|im_start|>``) map to their ids.
-        With ``add_special_tokens``, BOS is prepended only if tokenizer_config.json says
-        ``add_bos_token: true`` (SmolLM2 says false, so nothing is added). Texts of
-        ``RELEASE_GIL_MIN_CHARS`` or more are encoded without holding the GIL (same ids).
+        Special-token strings inside ``text`` (e.g. ``<|im_start|>``) map to
+        their ids; with ``parse_special=False`` they are encoded as ordinary
+        text instead (llama.cpp's ``parse_special``). With
+        ``add_special_tokens``, BOS is prepended only if tokenizer_config.json
+        says ``add_bos_token: true`` (SmolLM2 says false, so nothing is added).
+        Texts of ``RELEASE_GIL_MIN_CHARS`` or more are encoded without holding
+        the GIL (same ids).
         """
-        ids = self._encoding(text).ids
+        ids = self._encoding(text, parse_special).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
@@ -135,7 +139,7 @@ class Tokenizer:
         """Token ids of ``text`` with special-token strings in it encoded as
         ordinary text (``<|im_start|>`` becomes the tokens of those characters,
         not the control token), as llama.cpp does with ``parse_special=false``."""
-        return self._tok_text.encode(text, add_special_tokens=False).ids
+        return self.encode(text, parse_special=False)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> list[int]:
@@ -175,12 +179,13 @@ class Tokenizer:
         return [t for i, part in enumerate(parts) if part
                 for t in (self.encode_text(part) if i % 2 else self.encode(part))]
 
-    def _encoding(self, text: str) -> Any:
-        """The HF ``Encoding`` of ``text`` (special-token strings parsed),
-        without the GIL for long texts (see :meth:`encode`)."""
+    def _encoding(self, text: str, parse_special: bool = True) -> Any:
+        """The HF ``Encoding`` of ``text`` (special-token strings parsed, or
+        text), without the GIL for long texts (see :meth:`encode`)."""
+        tok = self._tok if parse_special else self._tok_text
         if len(text) >= RELEASE_GIL_MIN_CHARS:
-            return self._tok.encode_batch([text], add_special_tokens=False)[0]
-        return self._tok.encode(text, add_special_tokens=False)
+            return tok.encode_batch([text], add_special_tokens=False)[0]
+        return tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; special tokens are left out when ``skip_special_tokens``.

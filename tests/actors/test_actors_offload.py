@@ -41,12 +41,14 @@ class RecordingTokenizer:
     def __getattr__(self, name):
         return getattr(self._tok, name)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False,
+               parse_special: bool = True) -> list[int]:
         self.calls.append(("encode", threading.get_ident(), len(text)))
         self.entered.set()
         if self.gate is not None:
             assert self.gate.wait(DEADLINE_S), "the test never opened the gate"
-        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return self._tok.encode(text, add_special_tokens=add_special_tokens,
+                                parse_special=parse_special)
 
     def apply_chat_template(self, messages, **kwargs) -> str:
         self.calls.append(("template", threading.get_ident(), 0))

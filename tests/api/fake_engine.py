@@ -30,7 +30,8 @@ class FakeTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(f"t{i}" for i in ids)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False,
+               parse_special: bool = True) -> list[int]:
         return [ord(ch) for ch in text]
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
