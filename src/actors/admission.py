@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from kvserve.actors.base import Actor
 from kvserve.actors.messages import (
     AbortRequest,
@@ -14,20 +16,23 @@ from kvserve.actors.messages import (
 )
 from kvserve.actors.registry import StreamRegistry
 from kvserve.core.admission_queue import AdmissionLimits, AdmissionQueue, SchedulerCapacity
+from kvserve.core.drain_rate import DrainRate
 from kvserve.core.outputs import RequestUpdate
 from kvserve.core.request import Request, RequestStatus
 
 __all__ = ["AdmissionActor", "AdmissionLimits", "refusal"]
 
 
-def refusal(queue: AdmissionQueue, request: TokenizedRequest, n: int) -> RequestFailed | None:
+def refusal(queue: AdmissionQueue, request: TokenizedRequest, n: int,
+            drain: DrainRate | None = None, now: float = 0.0) -> RequestFailed | None:
     """Why ``request`` (with its ``n`` samples) may not enter now, or None.
 
     A non-zero priority under fcfs is a 400 (the flag is missing), and so is
     a request that could not wait even in an empty queue (its ``n`` or its
     prompt alone exceed a waiting limit: a retry can never succeed); a full
     waiting queue is a 429 with ``Retry-After``, as vLLM and OpenAI signal
-    overload.
+    overload: the seconds until the queue, at its measured ``drain`` rate,
+    has room for this request (``now``: seconds on the drain's clock).
     """
     limits, rid = queue.limits, request.parent_id
     if request.priority != 0 and limits.policy != "priority":
@@ -41,9 +46,12 @@ def refusal(queue: AdmissionQueue, request: TokenizedRequest, n: int) -> Request
     reason = queue.refusal(n, len(request.prompt_token_ids))
     if reason is None:
         return None
+    retry = limits.retry_after
+    if drain is not None:
+        retry = drain.retry_after(now, *queue.overflow(n, len(request.prompt_token_ids)),
+                                  default=limits.retry_after)
     return RequestFailed(rid, 429, f"The server is overloaded: {reason}.",
-                         type="server_overloaded", code="too_many_requests",
-                         retry_after=limits.retry_after)
+                         type="server_overloaded", code="too_many_requests", retry_after=retry)
 
 
 class AdmissionActor(Actor):
@@ -78,6 +86,7 @@ class AdmissionActor(Actor):
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.capacity = SchedulerCapacity(free_seqs=1, free_blocks=0)  # until the first report
+        self.drain = DrainRate()  # releases per second, for the Retry-After of a 429
         self.released: set[str] = set()  # released, not seen finished or returned
         self._sent_waiting = 0  # the queue length the scheduler last heard
         self.abort_pending: dict[str, str] = {}  # released id -> abort reason, forwarded
@@ -112,7 +121,7 @@ class AdmissionActor(Actor):
             return  # the client left (or the request was refused) meanwhile
         if message.index == 0:
             n = self.streams.num_samples(message.parent_id)
-            failed = refusal(self.queue, message, n)
+            failed = refusal(self.queue, message, n, self.drain, time.monotonic())
             if failed is not None:
                 self.log.info("request_rejected", request_id=message.parent_id,
                               status=failed.status, reason=failed.message)
@@ -159,6 +168,8 @@ class AdmissionActor(Actor):
         """Send what the scheduler can start, when there is any, when it waits
         for an answer, or when the queue's length changed (its gauges)."""
         requests = self.queue.release(self.capacity)
+        self.drain.record(time.monotonic(), len(requests),
+                          sum(r.num_tokens - r.num_computed_tokens for r in requests))
         waiting = self.queue.num_waiting
         if not requests and not answer and waiting == self._sent_waiting:
             return

@@ -53,7 +53,8 @@ class AdmissionLimits:
     ``max_waiting_requests``: waiting sequences (each of ``n`` samples counts).
     ``max_waiting_tokens``: tokens the waiting sequences still need to compute
     (prompt tokens, plus generated ones of preempted requests).
-    ``retry_after``: seconds suggested to a refused client (``Retry-After``).
+    ``retry_after``: seconds suggested to a refused client (``Retry-After``)
+    until the queue's drain rate is measured (``kvserve.core.drain_rate``).
     """
 
     policy: str = "fcfs"
@@ -126,6 +127,19 @@ class AdmissionQueue:
             return (f"{tokens} prompt tokens are waiting "
                     f"(--max-waiting-tokens {limits.max_waiting_tokens})")
         return None
+
+    def overflow(self, num_seqs: int, num_tokens: int) -> tuple[int, int]:
+        """How many waiting sequences, and waiting tokens, must leave before
+        ``num_seqs`` sequences of ``num_tokens`` tokens each fit the limits
+        ((0, 0) when they fit now)."""
+        limits = self.limits
+        sequences = tokens = 0
+        if limits.max_waiting_requests is not None:
+            sequences = max(0, self.num_waiting + num_seqs - limits.max_waiting_requests)
+        if limits.max_waiting_tokens is not None:
+            tokens = max(0, self.num_waiting_tokens + num_seqs * num_tokens
+                         - limits.max_waiting_tokens)
+        return sequences, tokens
 
     def add(self, request: Request) -> None:
         """Queue a new request."""
