@@ -38,6 +38,7 @@ from kvserve.model.tokenizer import Tokenizer
 from kvserve.plan import (  # noqa: F401 - KVCachePlan re-exported
     KVCachePlan, cap_to_cache, plan_kv_cache, resolve_max_model_len)
 from kvserve.stats_logger import StatsObserver
+from kvserve.structured.masks import StructuredOutputs
 
 log = structlog.get_logger("kvserve.engine")
 
@@ -91,8 +92,11 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     if max_len < requested:
         log.warning("max_model_len_capped", max_model_len=max_len, requested=requested,
                     reason="KV cache holds fewer tokens than the context length")
+    structured = StructuredOutputs(path / "tokenizer.json", model_config.vocab_size,
+                                   model_config.eos_token_ids)
     runner = ModelRunner(model_config, model, backend.ops, plan.num_blocks, plan.block_size,
-                         logprobs_mode=config.logprobs_mode, seed=config.seed)
+                         logprobs_mode=config.logprobs_mode, seed=config.seed,
+                         structured=structured)
     backend.warmup()
     kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching)
     scheduler = Scheduler(replace(config.scheduler, max_model_len=max_len), kv, plan.block_size)

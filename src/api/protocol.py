@@ -11,7 +11,7 @@ Formats follow the OpenAI API reference:
 Requests are validated in strict mode (no ``"1"`` -> ``1`` coercion), so a
 wrong type is a 400 that names the field. Value ranges are checked once, by
 ``SamplingParams``. Fields OpenAI defines but kvserve does not implement
-(``tools``, ``response_format``, ...) are ignored, as vLLM does.
+(``tools``, ...) are ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvserve.actors.detokenizer import TokenOffsets
 from kvserve.actors.messages import RequestOutput
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.core.structured_outputs import StructuredOutputsParams
 
 TokenText = Callable[[int], str]
 TokenBytes = Callable[[int], bytes]
@@ -69,8 +70,40 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Model):
+    """``response_format.json_schema``: ``{"name", "schema", "strict"}`` (OpenAI)."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    """``response_format`` (OpenAI): ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Model):
+    """vLLM's ``structured_outputs`` request field: one of its keys."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _CommonRequest(_Model):
-    """Fields shared by chat and completions (OpenAI's plus vLLM's extras)."""
+    """Fields shared by chat and completions (OpenAI's plus vLLM's extras).
+
+    Structured outputs: OpenAI's ``response_format`` (``json_object``,
+    ``json_schema``), vLLM's ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` / ``guided_grammar`` and its ``structured_outputs``
+    object; at most one of them.
+    """
 
     model: str | None = None
     max_tokens: int | None = None
@@ -94,6 +127,47 @@ class _CommonRequest(_Model):
     stream_options: StreamOptions | None = None
     priority: int = 0
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, or None; ``ValueError`` whose
+        message starts with the field's name when it is malformed or when
+        several fields set one."""
+        found = [(name, params) for name, params in self._constraints() if params is not None]
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise ValueError(f"{found[1][0]}: only one structured-output constraint is allowed "
+                             f"per request, got {names}")
+        return found[0][1] if found else None
+
+    def structured_outputs_field(self) -> str | None:
+        """The name of the field that set the constraint (for a 400's ``param``)."""
+        return next((name for name, params in self._constraints() if params is not None), None)
+
+    def _constraints(self) -> list[tuple[str, StructuredOutputsParams | None]]:
+        def build(name: str, make: Callable[[], StructuredOutputsParams | None]):
+            try:
+                return name, make()
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from exc
+
+        return [
+            build("response_format", lambda: _from_response_format(self.response_format)),
+            build("guided_json", lambda: None if self.guided_json is None
+                  else StructuredOutputsParams.from_schema(self.guided_json)),
+            build("guided_regex", lambda: None if self.guided_regex is None
+                  else StructuredOutputsParams(regex=self.guided_regex)),
+            build("guided_choice", lambda: None if self.guided_choice is None
+                  else StructuredOutputsParams(choice=tuple(self.guided_choice))),
+            build("guided_grammar", lambda: None if self.guided_grammar is None
+                  else StructuredOutputsParams(grammar=self.guided_grammar)),
+            build("structured_outputs", lambda: _from_vllm_field(self.structured_outputs)),
+        ]
 
     @property
     def include_usage(self) -> bool:
@@ -108,6 +182,7 @@ class _CommonRequest(_Model):
             "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": _logit_bias(self.logit_bias),
+            "structured_outputs": self.structured_outputs_params(),
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
@@ -115,6 +190,32 @@ class _CommonRequest(_Model):
             if value is not None:
                 kwargs[name] = value
         return kwargs
+
+
+def _from_response_format(fmt: ResponseFormat | None) -> StructuredOutputsParams | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise ValueError("type json_schema needs json_schema.schema")
+    return StructuredOutputsParams.from_schema(fmt.json_schema.schema_)
+
+
+def _from_vllm_field(field_: StructuredOutputsField | None) -> StructuredOutputsParams | None:
+    if field_ is None:
+        return None
+    kwargs: dict[str, Any] = {}
+    if field_.json_ is not None:
+        return StructuredOutputsParams.from_schema(field_.json_)
+    if field_.json_object:
+        kwargs["json_object"] = True
+    for name in ("regex", "grammar"):
+        if getattr(field_, name) is not None:
+            kwargs[name] = getattr(field_, name)
+    if field_.choice is not None:
+        kwargs["choice"] = tuple(field_.choice)
+    return StructuredOutputsParams(**kwargs)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

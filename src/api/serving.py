@@ -35,6 +35,8 @@ from kvserve.actors.messages import (
 from kvserve.actors.detokenizer import token_bytes_of
 from kvserve.actors.stream import EngineClient, RequestStream
 from kvserve.api.errors import APIError, error_body, from_failed
+from kvserve.structured.grammar import GrammarError
+from kvserve.structured.grammar import check as check_grammar
 from kvserve.api.protocol import (
     ChatCompletionRequest,
     ChoiceState,
@@ -188,9 +190,11 @@ class RequestHeaders:
 
 
 def sampling_params_or_400(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-    """``body.sampling_params()``, its ``ValueError`` as a 400 naming the field."""
+    """``body.sampling_params()``, its ``ValueError`` as a 400 naming the
+    field; a structured-output constraint that does not compile is a 400
+    naming its field and llguidance's reason."""
     try:
-        return body.sampling_params()
+        params = body.sampling_params()
     except ValueError as exc:
         message = str(exc)
         param = value_error_param(message, tuple(type(body).model_fields))
@@ -199,6 +203,14 @@ def sampling_params_or_400(body: ChatCompletionRequest | CompletionRequest) -> S
         if param == "logprobs" and getattr(body, "top_logprobs", None) is not None:
             param = "top_logprobs"
         raise APIError(400, message, param=param) from exc
+    if params.structured_outputs is not None:
+        try:
+            check_grammar(params.structured_outputs)
+        except GrammarError as exc:
+            field_ = body.structured_outputs_field()
+            raise APIError(400, f"{field_}: the {params.structured_outputs.kind} constraint "
+                           f"cannot be compiled: {exc}", param=field_) from exc
+    return params
 
 
 def token_bytes_for(engine: EngineClient) -> TokenBytes | None:

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.core.structured_outputs import StructuredOutputsParams
+
 #: Largest ``logprobs`` / ``prompt_logprobs`` (OpenAI's limit for top logprobs).
 MAX_LOGPROBS = 20
 #: Largest ``n`` (completions per prompt). OpenAI documents no limit; every
@@ -119,6 +121,8 @@ class SamplingParams:
     - ``logit_bias``: sorted ``(token_id, bias)`` pairs, bias in [-100, 100];
       a dict is accepted and normalized.
     - ``skip_special_tokens``: drop special tokens when detokenizing.
+    - ``structured_outputs``: what the output must match (a JSON schema,
+      regex, choice or grammar; ``kvserve.core.structured_outputs``), or None.
 
     Lists are accepted for the tuple fields and normalized to tuples, so the
     object stays hashable. Raises ``ValueError`` (never ``AssertionError``)
@@ -144,6 +148,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool) \

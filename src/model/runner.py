@@ -25,6 +25,7 @@ from kvserve.model.input_batch import BatchInputs, InputBatch
 from kvserve.model.llama import AttentionMetadata, LlamaModel
 from kvserve.model.ops import Ops
 from kvserve.model.sampler import LogprobEntry, SamplingState, prompt_logprobs, sample
+from kvserve.structured.masks import StructuredOutputs
 
 
 #: Prompt-logprob rows scored per LM-head call (bounds the [rows, vocab] block).
@@ -64,11 +65,14 @@ class ModelRunner:
         block_size: tokens per block.
         logprobs_mode: see ``EngineConfig.logprobs_mode``.
         seed: seed of the generator shared by unseeded requests.
+        structured: the matchers of requests with ``structured_outputs``
+            (None: such requests run unconstrained; the engine always gives one).
     """
 
     def __init__(self, model_config: ModelConfig, model: LlamaModel, ops: Ops,
                  num_blocks: int, block_size: int,
-                 logprobs_mode: str = "processed_logprobs", seed: int = 0) -> None:
+                 logprobs_mode: str = "processed_logprobs", seed: int = 0,
+                 structured: StructuredOutputs | None = None) -> None:
         self.config = model_config
         self.model = model
         self.ops = ops
@@ -82,6 +86,7 @@ class ModelRunner:
         self.input_batch = InputBatch(block_size)
         self.xp = getattr(ops, "xp", np)  # the array module of the backend's arrays
         self._generator = np.random.default_rng(seed)
+        self.structured = structured
         #: Requests of a failed step: the step scheduled behind it (async
         #: scheduling) may still hold them; they are skipped until the
         #: scheduler reports them finished.
@@ -108,6 +113,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         batch = self.input_batch.build(scheduled)
         num_sampled = len(batch.sample_ids)
+        constrained = self.structured.rows(batch.sample_ids) if self.structured else []
+        masks = self.structured.fill(constrained) if constrained else None  # during the forward
         prompt_rows = self._prompt_logprob_rows(scheduled, batch)
         if prompt_rows:
             extra = np.concatenate([rows for _, rows, _ in prompt_rows])
@@ -115,6 +122,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         hidden = self._forward(batch)
         logits = self._sampling_logits(hidden[:num_sampled])
+        if masks is not None:
+            self.structured.apply(logits, constrained, masks.result(), self.xp)
         t1 = time.perf_counter()
         self._gather_prompt_logprobs(prompt_rows, hidden[num_sampled:])
         output = self._sample(batch, logits)
@@ -183,6 +192,8 @@ class ModelRunner:
             self._failed.add(chunk.request_id)
             self.input_batch.remove(chunk.request_id)
             self.states.pop(chunk.request_id, None)
+            if self.structured is not None:
+                self.structured.remove(chunk.request_id)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the step's deltas to the input batch and the sampling states."""
@@ -191,10 +202,15 @@ class ModelRunner:
         self.input_batch.apply(scheduler_output, skip=self._failed)
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
+            if self.structured is not None:
+                self.structured.remove(request_id)
         for new in scheduler_output.new_requests:
             self.states[new.request_id] = SamplingState.create(
                 new.sampling_params, list(new.prompt_token_ids), list(new.output_token_ids),
                 self.config.eos_token_ids, self._generator)
+            constraint = new.sampling_params.structured_outputs
+            if constraint is not None and self.structured is not None:
+                self.structured.add(new.request_id, constraint, new.output_token_ids)
 
     def _forward(self, batch: BatchInputs):
         """Backend hidden states [R, H] of the batch's logits rows."""
@@ -212,6 +228,8 @@ class ModelRunner:
         output = ModelRunnerOutput()
         for rid, state, token, entry in zip(batch.sample_ids, states, tokens, entries):
             state.append(token)  # keeps the penalty counts current
+            if self.structured is not None:
+                self.structured.accept(rid, token)
             self.input_batch.append_tokens(rid, (token,))
             output.sampled[rid] = [token]
             if entry is not None:
