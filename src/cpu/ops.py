@@ -413,11 +413,19 @@ class CpuOps:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_dim: int) -> np.ndarray:
-        """Zeroed float32[num_blocks, 2, block_size, num_kv_heads, head_dim]."""
+        """Zeroed float32[num_blocks, 2, block_size, num_kv_heads, head_dim].
+
+        Written once here (not ``np.zeros``, whose pages the OS commits only
+        when first written): the cache's memory is taken at start-up, where a
+        shortage fails at once, and the process's RSS does not creep up by
+        the cache's size as blocks are first used (a soak read that as a leak).
+        """
         dims = (num_blocks, block_size, num_kv_heads, head_dim)
         if any(int(d) <= 0 for d in dims):
             raise ValueError(f"allocate_kv_cache: all dimensions must be positive, got {dims}")
-        return np.zeros((num_blocks, 2, block_size, num_kv_heads, head_dim), dtype=_F32)
+        cache = np.empty((num_blocks, 2, block_size, num_kv_heads, head_dim), dtype=_F32)
+        cache.fill(0.0)
+        return cache
 
     # ------------------------------------------------------------------ #
     # host <-> backend
