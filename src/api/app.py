@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.actors.stream import EngineClient
 from kvserve.api.connections import HeaderSizeLimit
+from kvserve.api.tools import render_messages
 from kvserve.api.errors import EXCEPTION_HANDLERS, APIError, error_body
 from kvserve.api.protocol import (
     ChatCompletionRequest,
@@ -182,7 +183,8 @@ def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         try:  # as the engine does: message contents are text
-            return list(tokenizer.encode_chat([m.to_dict() for m in body.messages],
+            messages = render_messages([m.to_dict() for m in body.messages], None)
+            return list(tokenizer.encode_chat(messages,
                                               add_generation_prompt=body.add_generation_prompt))
         except ValueError as exc:
             raise APIError(400, f"Cannot apply the chat template: {exc}",

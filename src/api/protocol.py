@@ -27,6 +27,7 @@ from kvserve.actors.detokenizer import TokenOffsets
 from kvserve.actors.messages import RequestOutput
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.core.structured_outputs import StructuredOutputsParams
+from kvserve.api.tools import ToolCallStream, parse_tool_calls, render_messages, tool_grammar
 
 TokenText = Callable[[int], str]
 TokenBytes = Callable[[int], bytes]
@@ -43,12 +44,30 @@ class TextPart(_Model):
     text: str
 
 
+class FunctionCall(_Model):
+    """``tool_calls[].function`` of an assistant message: name and JSON arguments."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Model):
+    """One ``tool_calls`` item of an assistant message in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Model):
-    """One chat message: ``role`` and ``content`` (a string or text parts)."""
+    """One chat message: ``role`` and ``content`` (a string or text parts);
+    an assistant's ``tool_calls`` and a tool result's ``tool_call_id``."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The message as the chat template expects it (content as one string).
@@ -61,7 +80,39 @@ class ChatMessage(_Model):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class FunctionDefinition(_Model):
+    """``tools[].function``: a name (``^[a-zA-Z0-9_-]{1,64}$``, OpenAI's
+    rule), a description and a JSON schema of its ``parameters``."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Model):
+    """One ``tools`` item: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Model):
@@ -229,12 +280,42 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 class ChatCompletionRequest(_CommonRequest):
-    """Body of ``POST /v1/chat/completions``."""
+    """Body of ``POST /v1/chat/completions``.
+
+    Tools (``kvserve.api.tools``): ``tools``, ``tool_choice`` (``none``,
+    ``auto``, the default when tools are given, ``required`` or a named
+    function) and ``parallel_tool_calls``.
+    """
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def tools_active(self) -> bool:
+        """True when the model is told of tools and its answer is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """``(forced, name)``: whether a grammar must make the answer tool
+        calls (``required``, or a named function: ``name``); ``ValueError``
+        naming ``tool_choice`` for a choice the tools cannot satisfy."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return False, None
+        if not self.tools:
+            raise ValueError("tool_choice: it needs tools")
+        if choice == "required":
+            return True, None
+        names = [t.function.name for t in self.tools]
+        if choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool is named {choice.function.name!r} "
+                             f"(tools: {names})")
+        return True, choice.function.name
 
     def sampling_params(self) -> SamplingParams:
         """Build ``SamplingParams``; raises ``ValueError`` for bad values.
@@ -249,8 +330,23 @@ class ChatCompletionRequest(_CommonRequest):
         if max_tokens is None:
             max_tokens = self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
-                              **self._sampling_kwargs())
+        kwargs = self._sampling_kwargs()
+        forced, name = self.forced_tool()
+        if forced:
+            if kwargs["structured_outputs"] is not None:
+                raise ValueError(f"tool_choice: {self.tool_choice if name is None else name!r} "
+                                 f"cannot be combined with {self.structured_outputs_field()}")
+            kwargs["structured_outputs"] = tool_grammar(
+                [t.model_dump(exclude_none=True) for t in self.tools or ()], name,
+                self.parallel_tool_calls)
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template gets them: tool descriptions,
+        calls and results in the Hermes format (``kvserve.api.tools``)."""
+        tools = ([t.model_dump(exclude_none=True) for t in self.tools or ()]
+                 if self.tools_active else None)
+        return render_messages([m.to_dict() for m in self.messages], tools)
 
 
 class CompletionRequest(_CommonRequest):
@@ -384,6 +480,7 @@ class ChoiceState:
     prompt_logprobs: tuple[Any, ...] | None = None
     num_chars: int = 0
     echoed: bool = False
+    tool_stream: ToolCallStream | None = None
 
     def add(self, output: RequestOutput, token_text: TokenText | None = None) -> list[int]:
         """Fold one ``RequestOutput`` of this choice in; returns its tokens' offsets.
@@ -505,6 +602,10 @@ class Renderer:
     the request. ``hidden_token_ids``: tokens the text leaves out (special
     tokens under ``skip_special_tokens``, e.g. the EOS ``<|im_end|>``), left
     out of chat logprobs too, so that their ``bytes`` join to the content.
+    ``tool_calls``: chat answers are parsed for tool calls
+    (``kvserve.api.tools``): they become ``message.tool_calls`` (streamed as
+    ``delta.tool_calls``, one complete call per delta) and the finish reason
+    ``tool_calls``.
     """
 
     kind: Literal["chat", "completion"]
@@ -519,6 +620,7 @@ class Renderer:
     echo_text: str | None = None
     prompt_token_ids: tuple[int, ...] = ()
     hidden_token_ids: frozenset[int] = frozenset()
+    tool_calls: bool = False  # parse <tool_call> blocks out of chat answers
 
     @property
     def object_name(self) -> str:
@@ -575,12 +677,18 @@ class Renderer:
             prompt_part = self._prompt_logprobs(choice.prompt_logprobs)
             logprobs = prompt_part if logprobs is None else _merge_logprobs(prompt_part, logprobs)
         out: dict[str, Any] = {"index": choice.index}
+        finish = choice.finish_reason
         if self.kind == "chat":
             out["message"] = {"role": "assistant", "content": text, "refusal": None}
+            if self.tool_calls:
+                content, calls = parse_tool_calls(text)
+                if calls:
+                    out["message"].update(content=content, tool_calls=calls)
+                    finish = "tool_calls" if finish == "stop" else finish
         else:
             out["text"] = self._echo_prefix() + text
         out["logprobs"] = logprobs
-        out["finish_reason"] = choice.finish_reason
+        out["finish_reason"] = finish
         return out
 
     def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
@@ -614,16 +722,39 @@ class Renderer:
                 prompt_part = self._prompt_logprobs(state.prompt_logprobs)
                 logprobs = (prompt_part if logprobs is None
                             else _merge_logprobs(prompt_part, logprobs))
-        if not text and logprobs is None and output.finish_reason is None:
+        finish = output.finish_reason
+        calls: list[dict[str, Any]] = []
+        if self.kind == "chat" and self.tool_calls:
+            text, calls, finish = self._tool_delta(state, text, finish)
+        if not text and not calls and logprobs is None and finish is None:
             return None
         choice: dict[str, Any] = {"index": output.index}
         if self.kind == "chat":
             choice["delta"] = {"content": text} if text else {}
+            if calls:
+                choice["delta"]["tool_calls"] = calls
         else:
             choice["text"] = text
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = output.finish_reason
+        choice["finish_reason"] = finish
         return self.chunk(choice)
+
+    @staticmethod
+    def _tool_delta(state: ChoiceState, text: str, finish: str | None
+                    ) -> tuple[str, list[dict[str, Any]], str | None]:
+        """A chat delta's content, its completed tool calls (OpenAI's
+        ``delta.tool_calls`` items, with their ``index``) and finish reason."""
+        stream = state.tool_stream = state.tool_stream or ToolCallStream()
+        first = len(stream.calls_seen)
+        content, calls = stream.feed(text)
+        if finish is not None:
+            content += stream.finish()
+        if stream.calls_seen and not content.strip():
+            content = ""  # the newlines between calls are not content
+        items = [{"index": first + i, **call} for i, call in enumerate(calls)]
+        if finish == "stop" and stream.calls_seen:
+            finish = "tool_calls"
+        return content, items, finish
 
     def usage_chunk(self, choices: Sequence[ChoiceState], num_prompt_tokens: int) -> dict[str, Any]:
         """The final ``include_usage`` chunk: ``choices: []`` plus ``usage``."""

@@ -577,7 +577,7 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
     request_id = headers.request_id or new_request_id(prefix)
     inputs: dict[str, Any]
     if isinstance(body, ChatCompletionRequest):
-        inputs = {"messages": tuple(m.to_dict() for m in body.messages)}
+        inputs = {"messages": tuple(body.template_messages())}
     else:
         try:
             text, token_ids = body.prompt_input()
@@ -594,7 +594,8 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
                         logprobs_top=params.logprobs, include_usage=body.include_usage,
                         token_bytes=token_bytes_for(engine), echo=echo,
                         echo_text=inputs.get("prompt") if echo else None,
-                        hidden_token_ids=_hidden_ids(engine, params))
+                        hidden_token_ids=_hidden_ids(engine, params),
+                        tool_calls=isinstance(body, ChatCompletionRequest) and body.tools_active)
     if config.log_prompts:
         log.info("api_request_prompt", request_id=request_id, prompt=inputs.get("prompt"),
                  prompt_token_ids=inputs.get("prompt_token_ids"),

@@ -1,0 +1,118 @@
+"""``kvserve.api.tools``: the Hermes tool-call format without a model: the
+parser (Hermes objects, SmolLM2 lists, malformed blocks left as text), the
+streaming splitter (a tag cut anywhere), history rendering and the grammar
+of forced calls (checked by llguidance's matcher on hand-written answers)."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from kvserve.api.protocol import ChatCompletionRequest
+from kvserve.api.tools import ToolCallStream, parse_tool_calls, render_messages, tool_grammar
+from kvserve.structured.grammar import to_grammar
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def names_and_args(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_parse_hermes_and_smollm_list_forms() -> None:
+    content, calls = parse_tool_calls(f"Sure.\n{CALL}")
+    assert content == "Sure." and names_and_args(calls) == [("get_weather", {"city": "Paris"})]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    listed = '<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]' \
+             '</tool_call>'
+    content, calls = parse_tool_calls(listed)
+    assert content is None and names_and_args(calls) == [("a", {}), ("b", {"x": 1})]
+
+
+@pytest.mark.parametrize("text", ["no calls here", "<tool_call>{not json}</tool_call>",
+                                  '<tool_call>{"arguments": {}}</tool_call>', "<tool_call>{"])
+def test_text_without_a_well_formed_call_is_content(text: str) -> None:
+    assert parse_tool_calls(text) == (text, [])
+
+
+@pytest.mark.parametrize("cut", range(1, len(CALL) + 6, 3))
+def test_stream_splitter_holds_back_a_tag_cut_anywhere(cut: int) -> None:
+    text = f"Hi <{CALL}\n{CALL.replace('Paris', 'Oslo')} bye"
+    stream, content, calls = ToolCallStream(), [], []
+    for start in range(0, len(text), cut):
+        piece, done = stream.feed(text[start:start + cut])
+        content.append(piece)
+        calls += done
+    content.append(stream.finish())
+    assert "".join(content) == "Hi <\n bye"
+    assert [a["city"] for _, a in names_and_args(calls)] == ["Paris", "Oslo"]
+
+
+def test_history_is_rendered_for_a_chatml_template() -> None:
+    messages = [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'}]
+    out = render_messages(messages, [WEATHER])
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert out[0]["content"].startswith("Be brief.") and "<tools>" in out[0]["content"]
+    assert '"name": "get_weather"' in out[2]["content"] and "<tool_call>" in out[2]["content"]
+    assert out[3]["content"] == '<tool_response>\n{"temp": 21}\n</tool_response>'
+    assert render_messages(messages[:2], None)[0] == {"role": "system", "content": "Be brief."}
+
+
+def matcher_accepts(grammar: str, text: str, tokenizer) -> bool:
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(default_model_path):
+    return llguidance.LLTokenizer(str(default_model_path / "tokenizer.json"))
+
+
+@pytest.mark.model
+def test_required_grammar_allows_only_calls_whose_arguments_fit(byte_tokenizer) -> None:
+    grammar = to_grammar(tool_grammar([WEATHER, TIME], None, parallel=True))
+    time_call = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+    assert matcher_accepts(grammar, CALL, byte_tokenizer)
+    assert matcher_accepts(grammar, f"{CALL}\n{time_call}", byte_tokenizer)
+    assert not matcher_accepts(grammar, "Sure!", byte_tokenizer)
+    assert not matcher_accepts(grammar, CALL.replace('"city"', '"town"'), byte_tokenizer)
+    single = to_grammar(tool_grammar([WEATHER, TIME], None, parallel=False))
+    assert not matcher_accepts(single, f"{CALL}\n{time_call}", byte_tokenizer)
+    named = to_grammar(tool_grammar([WEATHER, TIME], "get_time", parallel=True))
+    assert matcher_accepts(named, time_call, byte_tokenizer)
+    assert not matcher_accepts(named, CALL, byte_tokenizer)
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], **fields})
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "no tool is named"),
+    ({"tool_choice": "required", "tools": None}, "needs tools"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}},
+     "cannot be combined"),
+])
+def test_bad_tool_choices_name_the_field(fields: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=words) as info:
+        request(**fields).sampling_params()
+    assert str(info.value).startswith("tool_choice")
+
+
+def test_none_and_auto_leave_sampling_free() -> None:
+    assert request(tool_choice="none").sampling_params().structured_outputs is None
+    assert request().sampling_params().structured_outputs is None
+    assert request(tool_choice="required").sampling_params().structured_outputs is not None
+    assert not request(tool_choice="none").tools_active and request().tools_active
