@@ -8,6 +8,7 @@ extensions: ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import time
 from collections.abc import Sequence
@@ -134,7 +135,8 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
                              "tokens": tokens, "token_strs": token_strs})
 
     async def detokenize(request: Request) -> Response:
-        """``POST /detokenize`` (vLLM): ``{"tokens": [ids]}`` -> ``{"prompt": text}``."""
+        """``POST /detokenize`` (vLLM): ``{"tokens": [ids]}`` -> ``{"prompt": text}``,
+        special tokens included."""
         data = await read_json_body(request, server_config.max_request_bytes)
         body = parse_model(DetokenizeRequest, data)
         check_model(body.model, engine, server_config)
@@ -144,7 +146,9 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
         if bad:
             raise APIError(400, f"Token id {bad[0]} is out of vocabulary [0, {vocab}).",
                            param="tokens")
-        text = await anyio.to_thread.run_sync(tokenizer.decode, body.tokens)
+        # special tokens stay in the text, as vLLM's /detokenize keeps them
+        text = await anyio.to_thread.run_sync(functools.partial(
+            tokenizer.decode, body.tokens, skip_special_tokens=False))
         return JSONResponse({"prompt": text})
 
     async def version(request: Request) -> Response:

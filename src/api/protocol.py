@@ -116,9 +116,12 @@ class NamedToolChoice(_Model):
 
 
 class StreamOptions(_Model):
-    """``stream_options``: ``include_usage`` adds one final usage-only chunk."""
+    """``stream_options`` (only with ``stream: true``, as OpenAI and vLLM
+    require): ``include_usage`` adds one final usage-only chunk;
+    ``continuous_usage_stats`` (vLLM) puts the usage so far in every chunk."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(_Model):
@@ -225,8 +228,17 @@ class _CommonRequest(_Model):
         """True when the stream must end with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """True when every chunk carries the usage so far (vLLM's option)."""
+        return bool(self.stream and self.stream_options
+                    and self.stream_options.continuous_usage_stats)
+
     def _sampling_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``SamplingParams``; unset fields keep its defaults."""
+        """Keyword arguments for ``SamplingParams``; unset fields keep its
+        defaults. ``ValueError`` for ``stream_options`` without ``stream``."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
         kwargs: dict[str, Any] = {
             "n": self.n, "seed": self.seed, "min_tokens": self.min_tokens,
             "stop": self.stop or (), "stop_token_ids": self.stop_token_ids or (),
@@ -621,6 +633,8 @@ class Renderer:
     prompt_token_ids: tuple[int, ...] = ()
     hidden_token_ids: frozenset[int] = frozenset()
     tool_calls: bool = False  # parse <tool_call> blocks out of chat answers
+    continuous_usage: bool = False  # usage so far in every chunk
+    _streamed: dict[int, ChoiceState] = field(default_factory=dict)
 
     @property
     def object_name(self) -> str:
@@ -696,7 +710,10 @@ class Renderer:
         name = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         body = self._envelope(name)
         body["choices"] = [choice]
-        if self.include_usage:
+        if self.continuous_usage:
+            body["usage"] = usage_object(list(self._streamed.values()),
+                                         len(self.prompt_token_ids))
+        elif self.include_usage:
             body["usage"] = None
         return body
 
@@ -713,6 +730,7 @@ class Renderer:
         prompt text (and its logprobs).
         """
         offsets = state.add(output, self.token_text)
+        self._streamed[state.index] = state
         text = output.text
         logprobs = self._logprobs(output.logprobs or (), output.token_ids, offsets)
         if self.kind == "completion" and self.echo and not state.echoed:

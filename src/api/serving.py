@@ -592,6 +592,7 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
     echo = isinstance(body, CompletionRequest) and body.echo
     renderer = Renderer(kind, request_id, served_model(engine, config), token_text_for(engine),
                         logprobs_top=params.logprobs, include_usage=body.include_usage,
+                        continuous_usage=body.continuous_usage,
                         token_bytes=token_bytes_for(engine), echo=echo,
                         echo_text=inputs.get("prompt") if echo else None,
                         hidden_token_ids=_hidden_ids(engine, params),

@@ -54,3 +54,11 @@ def test_completion_prompt_special_strings_are_text_unless_parse_special(http):
             "prompt": COMPLETION_FORGED, "max_tokens": 1, "temperature": 0, **extra})
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["prompt_tokens"] == expected["count"]
+
+
+def test_detokenize_keeps_special_tokens(http):
+    """As vLLM's /detokenize: the ids of a chat turn give back its markers."""
+    ids = http.post("/tokenize", json={"prompt": "<|im_start|>user\nhi<|im_end|>",
+                                       "parse_special": True}).json()["tokens"]
+    text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == "<|im_start|>user\nhi<|im_end|>"
