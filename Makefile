@@ -5,22 +5,33 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install model serve test test-fast mutation-check bench bench-llamacpp clean
+.PHONY: install install-serve model serve test test-fast mutation-check bench bench-llamacpp clean
 
-$(VENV)/.installed: pyproject.toml
+# pip prints its progress (the first install downloads ~150 MB: numba, llvmlite, numpy).
+$(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install --upgrade pip
 	touch $@
 
+## The server alone: only what serving needs.
+$(VENV)/.installed-serve: pyproject.toml $(VENV)/.created
+	$(PY) -m pip install -e .
+	touch $@
+
+## Everything: the server, the bench extra (httpx, tqdm, matplotlib) and the test tools.
+$(VENV)/.installed: pyproject.toml $(VENV)/.created
+	$(PY) -m pip install -e '.[test]'
+	touch $@
+
+install-serve: $(VENV)/.installed-serve
 install: $(VENV)/.installed
 
 ## Fetch and convert the default model (SmolLM2-135M-Instruct) into $$KVSERVE_CACHE.
-model: install
+model: install-serve
 	$(VENV)/bin/kvserve fetch-model
 
 ## Serve the default model on 127.0.0.1:8000 (pass flags with ARGS="...").
-serve: install
+serve: install-serve
 	$(VENV)/bin/kvserve serve $(ARGS)
 
 ## Install, fetch the default model if needed, run the whole test suite (CPU only).
@@ -43,7 +54,7 @@ BENCH_OUT ?= results/bench
 bench: install
 	$(PY) tools/replay.py --launch-server --server-args "--kv-cache-memory 256MiB" \
 		--trace tools/baseline/trace.jsonl --warmup 1 --goodput ttft:2000 tpot:500 \
-		--label "make bench" --no-progress --out $(BENCH_OUT)/result.json
+		--label "make bench" --out $(BENCH_OUT)/result.json
 	$(PY) tools/compare.py tools/baseline/result.json $(BENCH_OUT)/result.json --preset generous
 
 ## kvserve against llama.cpp's llama-server: same GGUF model, same client and workload,

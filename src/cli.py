@@ -364,24 +364,33 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _get_text(url: str, timeout: float = 10.0) -> str:
+    """The body of ``GET url`` (stdlib only: the server installs no HTTP
+    client); ``OSError`` for a refused connection or an error status."""
+    from urllib.request import urlopen
+
+    with urlopen(url, timeout=timeout) as response:  # noqa: S310 - a URL the user gave
+        return response.read().decode("utf-8")
+
+
 def _diagnose(args: argparse.Namespace) -> int:
     """Run ``kvserve diagnose``: two scrapes, the rules of ``kvserve.diagnosis``."""
     import json
     from dataclasses import asdict
 
-    import httpx
-
-    from kvserve.diagnosis import diagnose, features_from_scrapes
+    from kvserve.diagnosis import busy_summary, diagnose, features_from_scrapes
     from kvserve.metrics import parse_metrics_text
 
     url = args.url.rstrip("/")
     if not url.endswith("/metrics"):
         url += "/metrics"
+    print(f"Scraping {url} now and again in {args.interval:g} s...", file=sys.stderr,
+          flush=True)
     try:
-        before = parse_metrics_text(httpx.get(url, timeout=10).raise_for_status().text)
+        before = parse_metrics_text(_get_text(url))
         time.sleep(args.interval)
-        after = parse_metrics_text(httpx.get(url, timeout=10).raise_for_status().text)
-    except httpx.HTTPError as exc:
+        after = parse_metrics_text(_get_text(url))
+    except OSError as exc:  # urllib's URLError and HTTPError are OSErrors
         print(f"kvserve diagnose: error: cannot scrape {url}: {exc}", file=sys.stderr)
         return 2
     features = features_from_scrapes(before, after)
@@ -394,7 +403,8 @@ def _diagnose(args: argparse.Namespace) -> int:
     print(f"Window of {args.interval:g} s: {features.num_requests} requests finished, "
           f"{features.preemptions} preemptions.")
     if not verdicts:
-        print("No bottleneck: the server is lightly loaded (or idle) in this window.")
+        print(busy_summary(features, args.interval)
+              or "No bottleneck: the server was idle in this window.")
     for verdict in verdicts:
         print()
         print(verdict.markdown())
@@ -426,15 +436,26 @@ def main(argv: list[str] | None = None) -> int:
             return _run(_generate(args, config))
     elif args.command == "plan":
         return _plan(args)
-    elif args.command == "analyze":
-        from kvserve.analysis import run as run_analysis
-        return run_analysis(args)
     elif args.command == "diagnose":
         return _diagnose(args)
-    elif args.command == "bench":
-        from kvserve.bench.replay import run_cli
-        return run_cli(args)
+    elif args.command in ("analyze", "bench"):
+        try:
+            return _run_tool(args)
+        except ModuleNotFoundError as exc:  # the bench extra is not installed
+            print(f"kvserve {args.command}: error: {exc.name} is missing; install the bench "
+                  "extra: pip install 'kvserve[bench]'", file=sys.stderr)
+            return 2
     return 0
+
+
+def _run_tool(args: argparse.Namespace) -> int:
+    """``kvserve analyze`` or ``kvserve bench`` (their plotting and load
+    generation come with the ``bench`` extra)."""
+    if args.command == "analyze":
+        from kvserve.analysis import run as run_analysis
+        return run_analysis(args)
+    from kvserve.bench.replay import run_cli
+    return run_cli(args)
 
 
 if __name__ == "__main__":

@@ -351,3 +351,26 @@ def features_from_scrapes(before: Samples, after: Samples, prefix: str = "kvserv
                "prefix_cache_queries": delta("prefix_cache_queries_total"),
                "prefix_cache_hits": delta("prefix_cache_hits_total"),
                "running": gauge("num_requests_running")})
+
+
+def busy_summary(features: Features, seconds: float) -> str | None:
+    """What a window without a verdict was doing, from gauges and token
+    counters rather than finished requests, or None when it was idle.
+
+    A request running at one token per second finishes nothing in a short
+    window; "lightly loaded" would be wrong about it (issue 15, item 5).
+    """
+    running = int(features.extra.get("running") or 0)
+    waiting = int(features.max_waiting or 0)
+    generated = features.extra.get("generation_tokens") or 0.0
+    prompt = features.extra.get("prompt_tokens") or 0.0
+    if not (running or waiting or generated or prompt):
+        return None
+    rate = generated / seconds if seconds > 0 else 0.0
+    per_request = f", {rate / running:.2f} tokens/s per running request" if running else ""
+    kv = features.kv_usage_max
+    kv_text = f", KV cache {kv:.0%} used" if kv is not None else ""
+    return (f"Busy: {running} running, {waiting} waiting; {generated:,.0f} output tokens "
+            f"({rate:,.1f}/s{per_request}) and {prompt:,.0f} prompt tokens in the window"
+            f"{kv_text}. No latency verdict: {features.num_requests} request(s) finished in "
+            "the window; a longer --interval sees more.")

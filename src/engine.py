@@ -70,6 +70,9 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     """
     t0 = time.monotonic()
     path = Path(config.model)
+    log.info("engine_loading", model=str(path), message=f"Loading {path.name} "
+             f"({sum(p.stat().st_size for p in path.glob('*.safetensors')) / 2**20:,.1f} MiB "
+             f"of weights) on the {config.backend} backend...")
     model_config = load_model_config(path)
     tokenizer = Tokenizer(path)
     backend = create_backend(config)
@@ -115,9 +118,11 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
              max_num_batched_tokens=sched.max_num_batched_tokens, max_step_ms=step_ms,
              max_num_seqs=sched.max_num_seqs, policy=sched.policy,
              async_scheduling=sched.async_scheduling)
+    seconds = round(time.monotonic() - t0, 3)
     log.info("engine_loaded", model=str(path), backend=backend.name,
-             dtype=str(backend.dtype), weights_bytes=weights_bytes,
-             seconds=round(time.monotonic() - t0, 3))
+             dtype=str(backend.dtype), weights_bytes=weights_bytes, seconds=seconds,
+             message=f"Loaded in {seconds} s: {weights_bytes / 2**20:,.1f} MiB of weights, "
+                     f"{plan.num_tokens:,} KV tokens")
     return EngineCore(config, model_config, tokenizer, backend, runner, scheduler, plan, max_len)
 
 
@@ -162,6 +167,13 @@ class AsyncEngine:
         self.streams.on_close = self._cancel_deadline
         self.metrics = EngineMetrics(self.model_name, core.max_model_len,
                                      core.scheduler.config.max_num_batched_tokens)
+        cache = core.config.cache
+        self.metrics.set_cache_config(
+            block_size=core.plan.block_size, cache_dtype=str(core.backend.dtype),
+            enable_prefix_caching=cache.enable_prefix_caching,
+            num_gpu_blocks=core.plan.num_blocks,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
+            kv_cache_memory_bytes=cache.kv_cache_memory)
         self.observer = StatsObserver(self.metrics)
         self._stats_task: asyncio.Task[None] | None = None
         self.scheduler = SchedulerActor(core.scheduler)
@@ -292,7 +304,9 @@ class AsyncEngine:
         prompt = request.prompt if request.prompt is not None else (
             request.messages if request.messages is not None else request.prompt_token_ids)
         self.observer.on_received(request.request_id, request.arrival_time, request.priority,
-                                  request.request_class, n, prompt, self.log_prompts)
+                                  request.request_class, n, prompt, self.log_prompts,
+                                  stream=request.stream,
+                                  max_tokens=request.sampling_params.max_tokens)
         self.tokenizer_actor.send(request)
         if self.request_timeout is not None:
             self._deadlines[request.request_id] = asyncio.get_running_loop().call_later(

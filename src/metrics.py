@@ -17,6 +17,7 @@ engine core (the detokenizer and HTTP add a little on top of that).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -38,6 +39,9 @@ REQUEST_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.
                            5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                            480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+#: Labels of ``cache_config_info`` (the settings vLLM's carries that kvserve has).
+CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching",
+                       "num_gpu_blocks", "gpu_memory_utilization", "kv_cache_memory_bytes")
 STEP_PHASE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                       0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -58,7 +62,13 @@ METRICS: dict[str, str] = {
     "num_requests_waiting": "gauge",
     "kv_cache_usage_perc": "gauge",
     "prompt_tokens": "counter",
+    "prompt_tokens_computed": "counter",
     "generation_tokens": "counter",
+    "time_per_output_token_seconds": "histogram",
+    "request_max_num_generation_tokens": "histogram",
+    "request_params_n": "histogram",
+    "request_params_max_tokens": "histogram",
+    "cache_config_info": "gauge",
     "request_success": "counter",
     "num_preemptions": "counter",
     "prefix_cache_queries": "counter",
@@ -103,6 +113,7 @@ class EngineMetrics:
                  max_num_batched_tokens: int = 2048,
                  registry: CollectorRegistry | None = None) -> None:
         self.model_name = model_name
+        self.max_model_len = max_model_len
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = ["model_name"]
 
@@ -170,8 +181,27 @@ class EngineMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc",
                               "KV-cache usage: fraction of KV blocks in use, 0..1 (1 = 100%).")
         self.prompt_tokens = counter(
-            "prompt_tokens", "Number of prefill tokens processed (computed; prefix-cache hits "
-            "are not computed, recomputation after preemption is).")
+            "prompt_tokens", "Number of prompt tokens of the requests that started "
+            "generating (all of each prompt, prefix-cache hits included, as vLLM counts).")
+        self.prompt_tokens_computed = counter(
+            "prompt_tokens_computed", "Number of prefill tokens computed (prefix-cache hits "
+            "are not; recomputation after preemption is). kvserve-specific.")
+        self.tpot_legacy = histogram(
+            "time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (vLLM's older name of "
+            "inter_token_latency_seconds; the same observations).", TOKEN_LATENCY_BUCKETS)
+        self.max_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "Histogram of the most tokens any sample of a finished request generated.",
+            token_buckets)
+        self.params_n = histogram("request_params_n", "Histogram of the n request parameter.",
+                                  (1, 2, 5, 10, 20))
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter "
+            "(the context length when unset).", token_buckets)
+        self._cache_config = Gauge(PREFIX + "cache_config_info",
+                                   "Information of the KV cache's configuration (value 1).",
+                                   ["model_name", *CACHE_CONFIG_LABELS], registry=self.registry)
         self.generation_tokens = counter("generation_tokens",
                                          "Number of generation tokens processed.")
         self._success = Counter(PREFIX + "request_success",
@@ -214,6 +244,26 @@ class EngineMetrics:
         self.generation_tokens.inc(num_tokens)
         if itl is not None:
             self.itl.observe(itl)
+            self.tpot_legacy.observe(itl)
+
+    def observe_params(self, n: int, max_tokens: int) -> None:
+        """A request's ``n`` and ``max_tokens``, once per client request."""
+        self.params_n.observe(n)
+        self.params_max_tokens.observe(max_tokens)
+
+    def observe_max_generated(self, num_tokens: int) -> None:
+        """A client request finished: the most tokens one of its samples generated."""
+        self.max_generation_tokens.observe(num_tokens)
+
+    def observe_prompt(self, prompt_tokens: int) -> None:
+        """A request started generating: its whole prompt is processed."""
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def set_cache_config(self, **labels: Any) -> None:
+        """``cache_config_info`` = 1 with the KV cache's settings as labels
+        (``CACHE_CONFIG_LABELS``; vLLM's ``cache_config_info``)."""
+        values = [str(labels.get(name, "")) for name in CACHE_CONFIG_LABELS]
+        self._cache_config.labels(self.model_name, *values).set(1)
 
     def observe_finished(self, timeline: RequestTimeline) -> None:
         reason = timeline.finish_reason or "abort"
@@ -245,7 +295,7 @@ class EngineMetrics:
         for phase, seconds in step.times.as_dict().items():
             self.phases[phase].observe(seconds)
         if step.num_prefill_tokens:
-            self.prompt_tokens.inc(step.num_prefill_tokens)
+            self.prompt_tokens_computed.inc(step.num_prefill_tokens)
 
     def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
         self.running.set(running)

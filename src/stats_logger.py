@@ -47,35 +47,42 @@ class StatsObserver:
         self.total_preemptions = 0
         self._last_idle = False
         # parent id -> n, from request_received (bounded: refused requests never finish)
-        self._num_samples: OrderedDict[str, int] = OrderedDict()
+        #: parent id -> (n, stream) from ``request_received`` until its last sample is queued
+        self._received: OrderedDict[str, tuple[int, bool | None]] = OrderedDict()
+        #: parent id -> (samples not finished, most tokens of a finished one), for n > 1
+        self._samples_left: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------- arrival
 
     def on_received(self, request_id: str, arrival_time: float, priority: int,
                     request_class: str | None, n: int, prompt: Any = None,
-                    log_prompts: bool = False) -> None:
+                    log_prompts: bool = False, stream: bool | None = None,
+                    max_tokens: int | None = None) -> None:
         """``request_received``: the API handed the request to the engine."""
-        self._num_samples[request_id] = n
-        while len(self._num_samples) > _MAX_PENDING:
-            self._num_samples.popitem(last=False)
+        self._received[request_id] = (n, stream)
+        if self.metrics is not None:
+            self.metrics.observe_params(n, max_tokens or self.metrics.max_model_len)
+        while len(self._received) > _MAX_PENDING:
+            self._received.popitem(last=False)
         fields: dict[str, Any] = {}
         if log_prompts and prompt is not None:
             fields["prompt"] = prompt
         self.log.info("request_received", request_id=request_id,
                       arrival_time=round(wall_time_of(arrival_time), 6), priority=priority,
-                      request_class=request_class, n=n, **fields)
+                      request_class=request_class, n=n, stream=stream, **fields)
 
     def on_queued(self, request_id: str, parent_id: str, arrival_time: float,
                   prompt_tokens: int, priority: int, request_class: str | None) -> None:
         """``request_queued``: admission added it to the waiting queue."""
         now = time.monotonic()
-        n = self._num_samples.get(parent_id, 1)
+        n, stream = self._received.get(parent_id, (1, None))
         if request_id == parent_id or request_id.endswith(f"-{n - 1}"):  # last sample
-            self._num_samples.pop(parent_id, None)
+            self._received.pop(parent_id, None)
         timeline = RequestTimeline(
             request_id=request_id, arrival_time=arrival_time,
             arrival_wall=wall_time_of(arrival_time), prompt_tokens=prompt_tokens,
             parent_id=parent_id, priority=priority, request_class=request_class, n=n,
+            stream=stream,
             queued_time=now)
         self.tracker.add(timeline)
         self.log.info("request_queued", request_id=request_id, prompt_tokens=prompt_tokens,
@@ -161,6 +168,8 @@ class StatsObserver:
             if first:
                 if self.metrics is not None:
                     self.metrics.observe_first_token(timeline)
+                    if _is_first_sample(timeline):  # the prompt counts once per request
+                        self.metrics.observe_prompt(timeline.prompt_tokens)
                 self.log.info("request_first_token", request_id=update.request_id,
                               ttft_s=round(timeline.ttft or 0.0, 6),
                               prefill_s=round(timeline.prefill_time or 0.0, 6))
@@ -174,10 +183,25 @@ class StatsObserver:
         self.interval.finished_requests += 1
         if self.metrics is not None:
             self.metrics.observe_finished(timeline)
+            self._observe_request_max(timeline)
         fields = timeline.log_fields()
         if update.error:
             fields["error"] = update.error
         self.log.info("request_finished", **fields)
+
+    def _observe_request_max(self, timeline: RequestTimeline) -> None:
+        """``request_max_num_generation_tokens`` once the last of a
+        request's ``n`` samples finished."""
+        if timeline.n == 1:
+            self.metrics.observe_max_generated(timeline.num_output_tokens)
+            return
+        left, most = self._samples_left.get(timeline.parent_id, (timeline.n, 0))
+        most = max(most, timeline.num_output_tokens)
+        if left <= 1:
+            self._samples_left.pop(timeline.parent_id, None)
+            self.metrics.observe_max_generated(most)
+        else:
+            self._samples_left[timeline.parent_id] = (left - 1, most)
 
     # ------------------------------------------------------------ periodic
 
@@ -207,3 +231,8 @@ def _cached(output: SchedulerOutput, request_id: str) -> int:
         if new.request_id == request_id:
             return new.num_cached_tokens
     return 0
+
+
+def _is_first_sample(timeline: RequestTimeline) -> bool:
+    """Sample 0 of its request (the request itself when ``n == 1``)."""
+    return timeline.request_id == timeline.parent_id or timeline.request_id.endswith("-0")

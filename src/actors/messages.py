@@ -56,6 +56,7 @@ class GenerateRequest:
     priority: int = 0
     request_class: str | None = None
     parse_special: bool = False
+    stream: bool | None = None  # the client's ``stream`` flag, for the lifecycle logs
 
 
 @dataclass(frozen=True)

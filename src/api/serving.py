@@ -588,7 +588,8 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
     priority = headers.priority if headers.priority is not None else body.priority
     generate = GenerateRequest(request_id=request_id, sampling_params=params,
                                arrival_time=time.monotonic(), priority=priority,
-                               request_class=headers.request_class, **inputs)
+                               request_class=headers.request_class, stream=body.stream,
+                               **inputs)
     echo = isinstance(body, CompletionRequest) and body.echo
     renderer = Renderer(kind, request_id, served_model(engine, config), token_text_for(engine),
                         logprobs_top=params.logprobs, include_usage=body.include_usage,

@@ -46,6 +46,7 @@ class RequestTimeline:
     priority: int = 0
     request_class: str | None = None
     n: int = 1
+    stream: bool | None = None  # whether the client asked for a stream (None: not said)
     queued_time: float | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -140,7 +141,7 @@ class RequestTimeline:
             "request_id": self.request_id, "parent_id": self.parent_id,
             "arrival_time": round(self.arrival_wall, 6),
             "finish_reason": self.finish_reason, "priority": self.priority,
-            "request_class": self.request_class, "n": self.n,
+            "request_class": self.request_class, "n": self.n, "stream": self.stream,
             "prompt_tokens": self.prompt_tokens, "cached_tokens": self.num_cached_tokens,
             "output_tokens": self.num_output_tokens, "preemptions": self.num_preemptions,
             "queue_s": _r(self.queue_time), "prefill_s": _r(self.prefill_time),

