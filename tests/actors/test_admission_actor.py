@@ -4,6 +4,8 @@ it is (queued, released, or travelling back from the scheduler)."""
 
 import asyncio
 
+from actor_support import Inbox
+
 from kvserve.actors.admission import AdmissionActor
 from kvserve.actors.messages import (AbortRequest, CapacityReport, ReleaseRequests,
                                      RequestAccepted, RequestFailed, TokenDelta,
@@ -11,19 +13,6 @@ from kvserve.actors.messages import (AbortRequest, CapacityReport, ReleaseReques
 from kvserve.actors.registry import StreamRegistry
 from kvserve.core.admission_queue import AdmissionLimits, AdmissionQueue, SchedulerCapacity
 from kvserve.core.sampling_params import SamplingParams
-
-
-class Inbox:
-    def __init__(self):
-        self.messages = []
-
-    def send(self, message):
-        self.messages.append(message)
-
-    def take(self, kind):
-        found = [m for m in self.messages if isinstance(m, kind)]
-        self.messages = [m for m in self.messages if not isinstance(m, kind)]
-        return found
 
 
 def make_actor(**limits):

@@ -4,19 +4,13 @@ request's other samples are aborted."""
 
 import asyncio
 
+from actor_support import Inbox
+
 from kvserve.actors.detokenizer import DetokenizerActor
 from kvserve.actors.messages import (AbortRequest, RequestFailed, RequestOutput, TokenDelta,
                                      TokenizedRequest)
 from kvserve.actors.registry import StreamRegistry
 from kvserve.core.sampling_params import SamplingParams
-
-
-class Inbox:
-    def __init__(self):
-        self.messages = []
-
-    def send(self, message):
-        self.messages.append(message)
 
 
 class ByteTokenizer:
