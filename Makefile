@@ -5,7 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install install-serve model serve test test-fast mutation-check bench bench-llamacpp clean
+.PHONY: install install-serve model serve test test-fast test-clients bench-clients \
+	mutation-check bench bench-llamacpp clean
 
 # pip prints its progress (the first install downloads ~150 MB: numba, llvmlite, numpy).
 $(VENV)/.created:
@@ -41,6 +42,18 @@ test: install
 ## The tests that need no model and no shared folder (a plain clone).
 test-fast: install
 	$(PY) -m pytest -q -m "not model" $(ARGS)
+
+## Benchmark clients in a venv of their own (aiperf brings ~150 packages), and the
+## test that runs aiperf against a live kvserve, offline.
+$(VENV)-clients/.installed:
+	$(PYTHON) -m venv $(VENV)-clients
+	$(VENV)-clients/bin/pip install "aiperf==0.13.0"
+	touch $@
+
+bench-clients: $(VENV)-clients/.installed
+
+test-clients: install bench-clients
+	$(PY) -m pytest -q -m clients tests/clients $(ARGS)
 
 ## Apply each deliberate fault of tools/mutation_check.py to a copy of src/ and
 ## check that the fast tests fail for every one (prints a table).
