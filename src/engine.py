@@ -72,7 +72,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     path = Path(config.model)
     log.info("engine_loading", model=str(path), message=f"Loading {path.name} "
              f"({sum(p.stat().st_size for p in path.glob('*.safetensors')) / 2**20:,.1f} MiB "
-             f"of weights) on the {config.backend} backend...")
+             f"of safetensors) on the {config.backend} backend...")
     model_config = load_model_config(path)
     tokenizer = Tokenizer(path)
     backend = create_backend(config)

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvserve.actors.detokenizer import TokenOffsets
 from kvserve.actors.messages import RequestOutput
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.core.structured_outputs import StructuredOutputsParams
+from kvserve.core.structured_outputs import StructuredOutputsParams, closed_objects
 from kvserve.api.tools import ToolCallStream, parse_tool_calls, render_messages, tool_grammar
 
 TokenText = Callable[[int], str]
@@ -118,7 +118,8 @@ class NamedToolChoice(_Model):
 class StreamOptions(_Model):
     """``stream_options`` (only with ``stream: true``, as OpenAI and vLLM
     require): ``include_usage`` adds one final usage-only chunk;
-    ``continuous_usage_stats`` (vLLM) puts the usage so far in every chunk."""
+    ``continuous_usage_stats`` (vLLM) also puts the usage so far in every
+    chunk (with ``include_usage`` only, as in vLLM)."""
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -231,8 +232,7 @@ class _CommonRequest(_Model):
     @property
     def continuous_usage(self) -> bool:
         """True when every chunk carries the usage so far (vLLM's option)."""
-        return bool(self.stream and self.stream_options
-                    and self.stream_options.continuous_usage_stats)
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``SamplingParams``; unset fields keep its
@@ -262,7 +262,9 @@ def _from_response_format(fmt: ResponseFormat | None) -> StructuredOutputsParams
         return StructuredOutputsParams(json_object=True)
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise ValueError("type json_schema needs json_schema.schema")
-    return StructuredOutputsParams.from_schema(fmt.json_schema.schema_)
+    schema = fmt.json_schema.schema_
+    return StructuredOutputsParams.from_schema(
+        closed_objects(schema) if fmt.json_schema.strict else schema)
 
 
 def _from_vllm_field(field_: StructuredOutputsField | None) -> StructuredOutputsParams | None:

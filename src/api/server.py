@@ -60,12 +60,15 @@ def fit_file_limit(max_connections: int) -> int:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, but SIGTERM first drains the engine.
+    """uvicorn's server, but a shutdown signal first drains the engine.
 
     On SIGTERM the engine stops admitting (new requests get 503), accepted
     requests run to completion for up to ``drain_timeout`` seconds (the rest
     end with a 503 error event), then uvicorn shuts down and the process exits
-    with status 0. SIGINT (Ctrl-C) keeps uvicorn's behaviour.
+    with status 0. SIGINT (Ctrl-C) does the same without waiting: open
+    streams end at once with a 503 error event and ``[DONE]`` (uvicorn alone
+    cancelled them after 5 s, with a traceback and a cut stream). A second
+    signal is uvicorn's forced exit.
     """
 
     def __init__(self, config: uvicorn.Config, engine, drain_timeout: float) -> None:
@@ -80,19 +83,20 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig != signal.SIGTERM or self._loop is None:
+        if sig not in (signal.SIGTERM, signal.SIGINT) or self._loop is None or self._draining:
             super().handle_exit(sig, frame)
             return
-        if not self._draining:  # not re-raised after shutdown: we exit 0
-            self._draining = True
-            log.info("sigterm_received", drain_timeout_s=self.drain_timeout)
-            self._loop.call_soon_threadsafe(self._start_drain)
+        self._draining = True  # not re-raised after shutdown: we exit 0
+        timeout = self.drain_timeout if sig == signal.SIGTERM else 0.0
+        name = "sigterm_received" if sig == signal.SIGTERM else "sigint_received"
+        log.info(name, drain_timeout_s=timeout)
+        self._loop.call_soon_threadsafe(self._start_drain, timeout)
 
-    def _start_drain(self) -> None:
-        asyncio.ensure_future(self._drain())
+    def _start_drain(self, timeout: float) -> None:
+        asyncio.ensure_future(self._drain(timeout))
 
-    async def _drain(self) -> None:
+    async def _drain(self, timeout: float) -> None:
         try:
-            await self.engine.drain(self.drain_timeout)
+            await self.engine.drain(timeout)
         finally:
             self.should_exit = True

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.core.structured_outputs import StructuredOutputsParams
+from kvserve.core.structured_outputs import StructuredOutputsParams, closed_objects
 from kvserve.structured.grammar import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -105,11 +105,8 @@ def tool_grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool
 
 def _closed(parameters: dict[str, Any] | None) -> dict[str, Any]:
     """A function's ``parameters`` schema with ``additionalProperties: false``
-    at the top unless it says otherwise (OpenAI's strict mode requires it; a
-    small model otherwise invents keys such as "description")."""
-    schema = dict(parameters or {"type": "object", "properties": {}})
-    schema.setdefault("additionalProperties", False)
-    return schema
+    on every object that does not say (``closed_objects``)."""
+    return closed_objects(parameters or {"type": "object", "properties": {}})
 
 
 def new_call_id() -> str:

@@ -69,9 +69,12 @@ def _as_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 
 def _check_range(name: str, value: float, low: float | None, high: float | None,
                  low_open: bool = False, text: str | None = None) -> None:
-    """Raise ``ValueError`` unless ``low (<|<=) value <= high``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    """Raise ``ValueError`` unless ``low (<|<=) value <= high`` and ``value``
+    is finite (JSON parses 1e309 as infinity: a temperature of inf sampled
+    uniformly at random)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and value > high
     if too_low or too_high:

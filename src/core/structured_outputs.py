@@ -61,3 +61,17 @@ class StructuredOutputsParams:
     def schema(self) -> dict[str, Any] | None:
         """The JSON schema as a dict (None unless ``kind == "json"``)."""
         return None if self.json is None else _json.loads(self.json)
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema
+    that does not say (a copy). OpenAI's strict mode requires it of every
+    object; without it a small model invents keys ("description")."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed_objects(value) for key, value in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out

@@ -23,7 +23,8 @@ async def test_stream_options_without_stream_is_a_400(client, path, body):
 
 async def test_continuous_usage_stats_in_every_chunk(client):
     r = await client.post("/v1/chat/completions", json={
-        **CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}})
+        **CHAT, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     chunks = [json.loads(line[6:]) for line in r.text.splitlines()
               if line.startswith("data: {")]
     usages = [c["usage"] for c in chunks]

@@ -116,3 +116,23 @@ def test_none_and_auto_leave_sampling_free() -> None:
     assert request().sampling_params().structured_outputs is None
     assert request(tool_choice="required").sampling_params().structured_outputs is not None
     assert not request(tool_choice="none").tools_active and request().tools_active
+
+
+def test_strict_schemas_close_every_object() -> None:
+    from kvserve.core.structured_outputs import closed_objects
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+        "c": {"type": "array", "items": {"properties": {"d": {"type": "integer"}}}},
+        "e": {"type": "object", "additionalProperties": True}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["e"]["additionalProperties"] is True  # said otherwise
+    assert "additionalProperties" not in schema  # a copy
+    strict = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                   "strict": True}}})
+    assert strict.sampling_params().structured_outputs.schema() == closed

@@ -73,3 +73,11 @@ def test_a_repetition_penalty_below_the_bound_is_refused(penalty):
     with pytest.raises(ValueError, match="repetition_penalty"):
         SamplingParams(repetition_penalty=penalty)
     assert SamplingParams(repetition_penalty=0.01).repetition_penalty == 0.01
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "presence_penalty",
+                                  "repetition_penalty"])
+def test_infinite_values_are_refused(name):
+    """JSON parses 1e309 as infinity: a temperature of inf sampled uniformly."""
+    with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+        SamplingParams(**{name: float("inf")})

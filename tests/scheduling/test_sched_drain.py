@@ -69,3 +69,27 @@ def test_sigterm_under_load_completes_accepted_refuses_new_exits_zero(drain_serv
         assert r.usage["completion_tokens"] == MAX_TOKENS, r
     assert drain_server.proc.wait(timeout=60) == 0, drain_server.log_tail()
     assert '"drain_finished"' in drain_server.log_tail()
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_open_streams_cleanly_at_once(drain_server):
+    """SIGINT (Ctrl-C) with a stream open: the stream ends at once with a 503
+    error event and [DONE], no traceback, exit 0 (uvicorn alone cancelled it
+    after 5 s with a traceback and a cut stream)."""
+    with httpx.Client(base_url=drain_server.base_url, timeout=60.0) as client:
+        with client.stream("POST", "/v1/chat/completions",
+                           json=chat_body(PROMPT, 400)) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: {") and '"content":"' in line.replace(" ", ""):
+                    break
+            drain_server.proc.send_signal(signal.SIGINT)
+            sent = time.monotonic()
+            rest = list(lines)
+            took = time.monotonic() - sent
+    errors = [line for line in rest if line.startswith('data: {"error"')]
+    assert errors and '"service_unavailable"' in errors[0], rest[-3:]
+    assert rest[-2:] == ["data: [DONE]", ""] or "data: [DONE]" in rest, rest[-3:]
+    assert took < 4.0, f"the stream ended {took:.1f} s after Ctrl-C"
+    assert drain_server.proc.wait(timeout=60) == 0, drain_server.log_tail()
+    assert "Traceback" not in drain_server.log_tail(), drain_server.log_tail()
