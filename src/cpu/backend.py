@@ -9,7 +9,8 @@ import structlog
 
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.cpu.ops import CpuOps
-from kvserve.cpu.threads import apply_thread_policy, busy_warning, resolve_num_threads
+from kvserve.cpu.threads import (LoadAdaptiveThreads, apply_thread_policy, busy_warning,
+                                 resolve_num_threads)
 
 log = structlog.get_logger("kvserve.engine")
 
@@ -33,7 +34,10 @@ class CpuBackend:
         warning = busy_warning(policy)
         if warning is not None:
             log.warning("cpu_busy", message=warning, num_threads=policy.num_threads)
-        self.ops = CpuOps(num_threads=policy.num_threads)
+        # --num-threads pins the count; by default it follows the machine's load
+        adaptive = None if config.num_threads is not None else LoadAdaptiveThreads(
+            policy.num_threads, policy.available_cpus)
+        self.ops = CpuOps(num_threads=policy.num_threads, adaptive=adaptive)
 
     def kv_cache_bytes(self, model: ModelConfig, weights_bytes: int, profile: Any = None) -> int:
         """``--kv-cache-memory`` (bytes): host memory is not measured."""

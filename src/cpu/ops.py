@@ -13,6 +13,7 @@ import threading
 
 import numba
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from kvserve.cpu import int8, kernels
 from kvserve.cpu.prefill_attention import prefill_attention
@@ -122,6 +123,8 @@ class CpuOps:
             in a step takes the BLAS prefill path
             (``kvserve.cpu.prefill_attention``); shorter ones (decodes, small
             chunks) the Numba paged-attention kernel.
+        adaptive: a ``kvserve.cpu.threads.LoadAdaptiveThreads`` that sets
+            both pools' threads from the machine's load (None: fixed).
 
     Raises ValueError for ``tile_q`` < 1 or ``num_threads`` outside
     [1, NUMBA_NUM_THREADS].
@@ -134,7 +137,7 @@ class CpuOps:
     name = "cpu"
 
     def __init__(self, tile_q: int = kernels.DEFAULT_TILE_Q, num_threads: int | None = None,
-                 prefill_min_queries: int = PREFILL_MIN_QUERIES) -> None:
+                 prefill_min_queries: int = PREFILL_MIN_QUERIES, adaptive=None) -> None:
         if tile_q < 1 or prefill_min_queries < 1:
             raise ValueError(f"tile_q and prefill_min_queries must be >= 1, got {tile_q} "
                              f"and {prefill_min_queries}")
@@ -144,10 +147,17 @@ class CpuOps:
                              f"got {num_threads}")
         self.tile_q = int(tile_q)
         self.num_threads = num_threads
+        self.adaptive = adaptive
 
     def _threads(self) -> int:
         """Numba threads for a parallel kernel, set on the calling thread
-        (Numba's setting is per thread; see ``kvserve.cpu.threads``)."""
+        (Numba's setting is per thread; see ``kvserve.cpu.threads``); with
+        ``adaptive``, BLAS's and Numba's threads follow the machine's load."""
+        if self.adaptive is not None:
+            wanted = self.adaptive.current()
+            if wanted != self.num_threads:
+                self.num_threads = wanted
+                threadpool_limits(limits=wanted, user_api="blas")
         if self.num_threads is not None and numba.get_num_threads() != self.num_threads:
             numba.set_num_threads(self.num_threads)
         return numba.get_num_threads()

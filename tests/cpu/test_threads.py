@@ -62,3 +62,40 @@ def test_busy_warning_only_when_the_cpus_are_taken_and_threads_would_fight():
     assert busy_warning(two, load_average=0.5) is None
     assert "--num-threads 1" in busy_warning(two, load_average=2.5)
     assert busy_warning(one, load_average=8.0) is None
+
+
+def test_threads_follow_other_processes_load():
+    """``LoadAdaptiveThreads``: every core busy elsewhere -> one thread (no
+    parallel region waits on a descheduled thread); load gone -> all again."""
+    from kvserve.cpu.threads import LoadAdaptiveThreads
+
+    now, others = [0.0], [0]
+    adaptive = LoadAdaptiveThreads(max_threads=2, cpus=2, interval=0.25, smoothing=0.5,
+                                   sample=lambda: others[0], clock=lambda: now[0])
+
+    def after(seconds: float) -> int:
+        threads = adaptive.current()
+        for _ in range(int(seconds / 0.25)):
+            now[0] += 0.25
+            threads = adaptive.current()
+        return threads
+
+    assert after(2) == 2  # idle machine: both cores
+    others[0] = 2  # two busy processes appear
+    assert after(2) == 1
+    now[0] += 0.1
+    assert adaptive.current() == 1  # between samples: no new reading
+    others[0] = 0
+    assert after(3) == 2
+
+
+def test_other_runnable_threads_reads_proc(tmp_path):
+    from kvserve.cpu.threads import other_runnable_threads
+
+    (tmp_path / "stat").write_text("cpu  1 2 3\nprocs_running 5\nprocs_blocked 0\n")
+    tasks = tmp_path / "task"
+    for tid, state in ((1, "R"), (2, "S"), (3, "R")):
+        (tasks / str(tid)).mkdir(parents=True)
+        (tasks / str(tid) / "stat").write_text(f"{tid} (python (worker)) {state} 1 2 3\n")
+    assert other_runnable_threads(str(tmp_path / "stat"), str(tasks)) == 3
+    assert other_runnable_threads(str(tmp_path / "missing"), str(tasks)) is None
