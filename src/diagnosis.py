@@ -343,6 +343,8 @@ def features_from_scrapes(before: Samples, after: Samples, prefix: str = "kvserv
         prompt_tokens_mean=mean("request_prompt_tokens"),
         preemptions=int(delta("num_preemptions_total")),
         kv_usage_max=kv_max,
+        # the gauges at the two scrapes: one request at a time has nothing to interfere with
+        max_concurrency=gauge("num_requests_running"),
         tpot_p10=histogram_quantile(0.1, tpot_b), tpot_p50=histogram_quantile(0.5, tpot_b),
         tpot_p90=histogram_quantile(0.9, tpot_b),
         itl_p50=histogram_quantile(0.5, itl_b), itl_p90=histogram_quantile(0.9, itl_b),

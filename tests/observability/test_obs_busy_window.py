@@ -19,3 +19,20 @@ def test_an_idle_window_has_no_summary() -> None:
     features = Features(source="metrics", extra={"running": 0.0, "generation_tokens": 0.0,
                                                  "prompt_tokens": 0.0})
     assert busy_summary(features, seconds=10.0) is None
+
+
+def test_one_request_under_outside_cpu_load_is_no_decode_verdict() -> None:
+    """A fresh user's report: one running request with uneven ITL (the host
+    was busy) got "prefill/decode interference" with no prefill in sight."""
+    from kvserve.diagnosis import features_from_scrapes
+    from kvserve.metrics import EngineMetrics, parse_metrics_text
+
+    metrics = EngineMetrics("m", 512, 64)
+    metrics.set_load(1, 0, 0.02)
+    before = parse_metrics_text(metrics.render().decode())
+    for itl in [0.05] * 8 + [0.5, 0.6]:
+        metrics.observe_tokens(1, itl)
+    after = parse_metrics_text(metrics.render().decode())
+    features = features_from_scrapes(before, after)
+    assert features.max_concurrency == 1
+    assert diagnose(features) == []
