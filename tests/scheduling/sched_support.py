@@ -144,10 +144,15 @@ class HTTPRecord:
 
 
 def chat_body(content: str, max_tokens: int, **extra: Any) -> dict:
-    """A greedy streaming chat body that runs exactly ``max_tokens`` tokens."""
-    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}],
+    """A greedy streaming chat body that runs exactly ``max_tokens`` tokens
+    (``stream=False`` in ``extra``: a plain one, without ``stream_options``,
+    which OpenAI and kvserve refuse on a non-streaming request)."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, **extra}
+    if not body["stream"]:
+        body.pop("stream_options")
+    return body
 
 
 async def _aiter_sse(lines: AsyncIterator[str]) -> AsyncIterator[str]:

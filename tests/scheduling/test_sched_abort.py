@@ -159,7 +159,7 @@ def test_request_timeout_non_streaming_504_and_blocks_freed(app_server, http, ti
     assert _wait_state(app_server, _idle, 10)[0] is not None
     baseline = _state(app_server)
     response = http.post("/v1/chat/completions",
-                         json={**chat_body(PROMPT, LONG_TOKENS), "stream": False},
+                         json=chat_body(PROMPT, LONG_TOKENS, stream=False),
                          headers={"X-Request-Id": "sched-timeout-plain"})
     assert response.status_code == 504, response.text
     error = assert_error_body(response.json(), 504)

@@ -50,7 +50,7 @@ def test_http_beyond_waiting_limit_429_with_retry_after_accepted_complete(limite
             refused_stream = [await sse_stream(client, chat_body(PROMPT, 8), name=f"over-{i}")
                               for i in range(2)]
             refused_plain = await client.post("/v1/chat/completions",
-                                              json={**chat_body(PROMPT, 8), "stream": False})
+                                              json=chat_body(PROMPT, 8, stream=False))
             accepted = await asyncio.gather(*tasks)
             after = await sse_stream(client, chat_body(PROMPT, 4), name="after")
             return accepted, refused_stream, refused_plain, after

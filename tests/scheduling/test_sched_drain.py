@@ -46,7 +46,7 @@ async def _load_then_sigterm(server: LiveServer):
                 break
             await asyncio.sleep(0.01)
         late = await client.post("/v1/chat/completions",
-                                 json={**chat_body("Hi", 4), "stream": False})
+                                 json=chat_body("Hi", 4, stream=False))
         late_stream = await sse_stream(client, chat_body("Hi", 4), name="late-stream")
         still_running = sum(1 for r in records if r.done_at is None)
         await asyncio.gather(*tasks)

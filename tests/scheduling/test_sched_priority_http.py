@@ -114,7 +114,7 @@ def test_http_fcfs_non_zero_priority_is_400_naming_the_flag(fcfs_server, headers
     with httpx.Client(base_url=fcfs_server.base_url, timeout=60.0) as client:
         for stream in (False, True):
             response = client.post("/v1/chat/completions", headers=headers,
-                                   json={**chat_body("Hi", 2, **extra), "stream": stream})
+                                   json=chat_body("Hi", 2, stream=stream, **extra))
             assert response.status_code == 400, response.text
             error = assert_error_body(response.json(), 400)
             assert "--scheduling-policy priority" in error["message"], error
@@ -125,8 +125,8 @@ def test_http_header_wins_over_body_priority(fcfs_server):
     header and body was used: the header, whichever way round."""
     with httpx.Client(base_url=fcfs_server.base_url, timeout=60.0) as client:
         response = client.post("/v1/chat/completions", headers={"X-Priority": "0"},
-                               json={**chat_body("Hi", 2, priority=3), "stream": False})
+                               json=chat_body("Hi", 2, priority=3, stream=False))
         assert response.status_code == 200, response.text
         response = client.post("/v1/chat/completions", headers={"X-Priority": "3"},
-                               json={**chat_body("Hi", 2, priority=0), "stream": False})
+                               json=chat_body("Hi", 2, priority=0, stream=False))
         assert response.status_code == 400, response.text
