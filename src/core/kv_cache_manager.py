@@ -29,6 +29,7 @@ from itertools import islice
 from typing import NamedTuple
 
 from .block_hash import content_hash, hash_request_blocks
+from .kv_events import KVEventLog
 from .outputs import PrefixCacheDivergence
 from .prefix_explainer import find_divergence
 from .request import Request
@@ -141,11 +142,14 @@ class BlockPool:
     ``num_blocks`` entries in all.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 events: KVEventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        #: Where hash registrations and evictions are recorded (None: nowhere).
+        self.events = events
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
@@ -185,6 +189,8 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
         if block.content is not None:
             self._unindex_content(block)
         block.block_hash = block.content = None
@@ -243,6 +249,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash)
         if content is not None:
             block.content = content
             by_position = self.content_index.setdefault(content.content_hash, {})
@@ -298,6 +306,8 @@ class BlockPool:
             return False
         for block in self.blocks:
             self._evict(block)
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def count_blocks(self) -> tuple[int, int, int]:
@@ -360,10 +370,14 @@ class KVCacheManager:
     and indexes it (``BlockPool.blocks_with_content``), which the cache-miss
     explainer (``find_divergence``, see ``prefix_explainer``) needs. Cost:
     one extra SHA-256 per full block, computed once per request.
+
+    ``events``: a ``KVEventLog`` that records every hash registered and
+    evicted (``kvserve.core.kv_events``), for a router's prefix index.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 track_content_hashes: bool | None = None) -> None:
+                 track_content_hashes: bool | None = None,
+                 events: KVEventLog | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -371,7 +385,7 @@ class KVCacheManager:
         if track_content_hashes is None:
             track_content_hashes = enable_prefix_caching
         self.track_content_hashes = track_content_hashes and enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         # request id -> content hashes of its first full blocks (memo, so each
