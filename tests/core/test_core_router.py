@@ -100,7 +100,10 @@ def test_an_overloaded_prefix_replica_is_passed_over(prefix_load, expected):
 def test_evicted_cleared_and_down_replicas_are_forgotten():
     prompt = list(range(16))
     router = router_holding(prompt)
-    router.apply_events(1, [BlockRemoved(tuple(hash_request_blocks(prompt, BLOCK)[2:]))])
+    hashes = hash_request_blocks(prompt, BLOCK)
+    router.apply_events(1, [BlockRemoved((hashes[1],))])  # a gap: blocks 2, 3 are unreachable
+    assert router.route(prompt, IDLE).cached_blocks == 1
+    router.apply_events(1, [BlockStored((hashes[1],)), BlockRemoved(tuple(hashes[2:]))])
     assert router.route(prompt, IDLE).cached_blocks == 2
     assert router.route(prompt, IDLE, available=[True, False, True]).cached_blocks == 0
     router.apply_events(1, [AllBlocksCleared()])
