@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=POSITIVE_FLOAT, default=30.0,
                        help="on SIGTERM, seconds to let accepted requests finish")
     _add_connection_args(serve)
+    serve.add_argument("--data-parallel-size", type=POSITIVE_INT, default=1,
+                       help="engine replicas, each a Ray actor with its own KV cache; "
+                            "requests go to the replica holding their prefix (vLLM's flag)")
+    serve.add_argument("--ray-address", default=None,
+                       help="an existing Ray cluster (default: a local Ray started with no "
+                            "set-up)")
     serve.add_argument("--fault-injection", type=_fault_injection, default=None,
                        metavar="JSON", help="TESTS ONLY: make steps fail or actors die "
                        "on purpose (kvserve.faults); never in production")
@@ -240,10 +246,14 @@ async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     from kvserve.metrics import metrics_route
 
     api_key = resolve_api_key(args, os.environ)  # before minutes of loading, not after
-    engine = await _start_engine(engine_config, args.served_model_name,
-                                 request_timeout=args.request_timeout,
-                                 stats_interval=args.stats_interval,
-                                 log_prompts=getattr(args, "log_prompts", False))
+    if args.data_parallel_size > 1:
+        engine, metrics = await _start_replicas(args, engine_config)
+    else:
+        engine = await _start_engine(engine_config, args.served_model_name,
+                                     request_timeout=args.request_timeout,
+                                     stats_interval=args.stats_interval,
+                                     log_prompts=getattr(args, "log_prompts", False))
+        metrics = metrics_route(engine.metrics)
     server_config = ServerConfig(
         host=args.host, port=args.port, api_key=api_key,
         served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
@@ -252,7 +262,7 @@ async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
         timeout_request_body=args.timeout_request_body,
         max_connections=fit_file_limit(args.max_connections),
         max_header_bytes=args.max_header_bytes)
-    app = build_app(engine, server_config, extra_routes=[metrics_route(engine.metrics)])
+    app = build_app(engine, server_config, extra_routes=[metrics])
     config = uvicorn_config(app, server_config)
     try:
         await DrainingServer(config, engine, args.drain_timeout).serve()
@@ -287,6 +297,26 @@ def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str
 def _die(message: str) -> None:
     print(f"kvserve: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+async def _start_replicas(args: argparse.Namespace, config: EngineConfig):
+    """``--data-parallel-size`` replicas on Ray, and the ``/metrics`` route
+    that labels each replica's samples ``replica="i"``."""
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from kvserve.distributed.client import DataParallelClient
+    from kvserve.metrics import CONTENT_TYPE_LATEST
+
+    client = await DataParallelClient.start(
+        config, args.data_parallel_size, ray_address=args.ray_address,
+        model_name=args.served_model_name, request_timeout=args.request_timeout,
+        stats_interval=args.stats_interval)
+
+    async def metrics(request) -> Response:
+        return Response(await client.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    return client, Route("/metrics", metrics, methods=["GET"])
 
 
 async def _start_engine(config: EngineConfig, *args, **kwargs):

@@ -1,0 +1,234 @@
+"""DataParallelClient: the API's engine, made of N engine replicas on Ray.
+
+``kvserve serve --data-parallel-size N`` (vLLM's flag) starts N
+``EngineReplica`` actors, one process each with its own KV cache and worker,
+on a local Ray instance (``ray.init()`` with no set-up) or on the cluster at
+``--ray-address``. Each replica declares its CPU threads to Ray. The API
+process keeps HTTP, a tokenizer (to hash prompts for routing, and for
+``/tokenize``) and the router (``kvserve.core.router``): every
+``POLL_INTERVAL`` seconds it reads each replica's load and KV events, and it
+sends each request to the replica with the longest cached prefix unless that
+one is overloaded. Each routing decision is a ``request_routed`` log event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import structlog
+
+from kvserve.actors.messages import GenerateRequest, RequestFailed
+from kvserve.actors.stream import RequestStream
+from kvserve.config import EngineConfig
+from kvserve.core.router import PrefixAwareRouter, ReplicaLoad
+from kvserve.distributed.replica import EngineReplica
+from kvserve.model.tokenizer import Tokenizer
+
+log = structlog.get_logger("kvserve.router")
+
+#: Seconds between two reads of the replicas' loads and KV events.
+POLL_INTERVAL = 0.05
+
+
+class DataParallelClient:
+    """``EngineClient`` over ``num_replicas`` Ray actors (see the module docstring).
+
+    Build it with ``await DataParallelClient.start(...)``; ``shutdown``
+    stops the replicas. Attributes the API reads: ``tokenizer``,
+    ``model_name``, ``max_model_len``.
+    """
+
+    def __init__(self, replicas: list, infos: list[dict], tokenizer: Tokenizer) -> None:
+        self.replicas = replicas
+        self.tokenizer = tokenizer
+        self.model_name = infos[0]["model_name"]
+        self.max_model_len = min(info["max_model_len"] for info in infos)
+        self.router = PrefixAwareRouter(len(replicas), infos[0]["block_size"])
+        self.loads = [ReplicaLoad() for _ in replicas]
+        self._in_flight = [0] * len(replicas)  # requests routed and not finished
+        self._placement: dict[str, tuple[int, asyncio.Task]] = {}  # id -> (replica, relay)
+        self._streams: dict[str, RequestStream] = {}
+        self._poller: asyncio.Task | None = None
+        self._ready = False
+
+    @classmethod
+    async def start(cls, config: EngineConfig, num_replicas: int, *,
+                    ray_address: str | None = None, model_name: str | None = None,
+                    request_timeout: float | None = None,
+                    stats_interval: float = 10.0) -> DataParallelClient:
+        """Start Ray (locally unless ``ray_address``), then the replicas, in
+        parallel; returns when every replica has loaded its model."""
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
+        threads = config.num_threads or max(1, int(ray.available_resources().get("CPU", 1))
+                                            // num_replicas)
+        config = replace(config, num_threads=threads)
+        actor = ray.remote(num_cpus=threads)(EngineReplica)
+        replicas = [actor.remote(i, config, model_name, request_timeout, stats_interval)
+                    for i in range(num_replicas)]
+        infos = await asyncio.gather(*(r.start.remote() for r in replicas))
+        for i, info in enumerate(infos):
+            log.info("replica_started", replica=i, num_threads=threads, **info,
+                     message=f"Replica {i}: {info['num_kv_tokens']:,} KV tokens, "
+                             f"{threads} CPU thread(s)")
+        client = cls(replicas, infos, Tokenizer(Path(config.model)))
+        client._poller = asyncio.create_task(client._poll_loop(), name="replica-poller")
+        client._ready = True
+        return client
+
+    def is_ready(self) -> bool:
+        return self._ready
+
+    def generate(self, request: GenerateRequest) -> RequestStream:
+        """Route ``request`` to a replica and relay its events."""
+        stream = RequestStream(request.request_id, request.sampling_params.n)
+        if not self._ready or request.request_id in self._placement:
+            stream.put(RequestFailed(request.request_id, 503 if not self._ready else 400,
+                                     "The server is not accepting requests." if not self._ready
+                                     else f"Request id {request.request_id!r} is in use.",
+                                     type="service_unavailable" if not self._ready
+                                     else "invalid_request_error"))
+            return stream
+        task = asyncio.create_task(self._relay(request, stream))
+        self._placement[request.request_id] = (-1, task)
+        self._streams[request.request_id] = stream
+        return stream
+
+    async def _relay(self, request: GenerateRequest, stream: RequestStream) -> None:
+        rid = request.request_id
+        try:
+            replica = await self._route(request)
+        except BaseException:
+            self._forget(rid)
+            raise
+        self._placement[rid] = (replica, self._placement[rid][1])
+        self._in_flight[replica] += 1
+        try:
+            async for ref in self.replicas[replica].generate.options(
+                    num_returns="streaming").remote(request):
+                stream.put(await ref)
+        except Exception as exc:  # noqa: BLE001 - the replica died: this request fails alone
+            log.error("replica_request_failed", replica=replica, request_id=rid, error=repr(exc))
+            stream.put(RequestFailed(rid, 500, f"Replica {replica} failed: "
+                                     f"{type(exc).__name__}", type="server_error"))
+        finally:
+            self._in_flight[replica] -= 1
+            self._forget(rid)
+
+    def _forget(self, request_id: str) -> None:
+        self._placement.pop(request_id, None)
+        self._streams.pop(request_id, None)
+
+    async def _route(self, request: GenerateRequest) -> int:
+        tokens = await asyncio.to_thread(self._prompt_tokens, request)
+        loads = [replace(load, running=max(load.running, n))
+                 for load, n in zip(self.loads, self._in_flight)]
+        decision = self.router.route(tokens, loads)
+        log.info("request_routed", request_id=request.request_id, replica=decision.replica,
+                 reason=decision.reason, cached_blocks=decision.cached_blocks,
+                 prefix_replica=decision.prefix_replica, prefix_blocks=decision.prefix_blocks)
+        return decision.replica
+
+    def _prompt_tokens(self, request: GenerateRequest) -> list[int]:
+        """The prompt's token ids as the replica will see them (empty when the
+        prompt cannot be tokenized here: the replica reports the error)."""
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        limit = self.max_model_len * self.tokenizer.max_token_bytes
+        try:
+            if request.messages is not None:
+                if sum(len(str(m.get("content") or "")) for m in request.messages) > limit:
+                    return []
+                return self.tokenizer.encode_chat(list(request.messages))
+            if len(request.prompt or "") > limit:
+                return []
+            return self.tokenizer.encode(request.prompt or "", add_special_tokens=True,
+                                         parse_special=request.parse_special)
+        except ValueError:
+            return []
+
+    async def abort(self, request_id: str, failure: RequestFailed | None = None) -> None:
+        """Stop a request wherever it runs (its relay cancels the replica's
+        stream); ``failure`` is put on its stream first, if given."""
+        placed = self._placement.get(request_id)
+        if placed is None:
+            return
+        replica, task = placed
+        if failure is not None:
+            self._streams[request_id].put(failure)
+        if replica >= 0:
+            await self.replicas[replica].abort.remote(request_id)
+        task.cancel()
+
+    async def _poll_loop(self) -> None:
+        while True:
+            polls = await asyncio.gather(*(r.poll.remote() for r in self.replicas),
+                                         return_exceptions=True)
+            for i, result in enumerate(polls):
+                if isinstance(result, BaseException):
+                    continue
+                load, events = result
+                self.loads[i] = load
+                self.router.apply_events(i, events)
+            await asyncio.sleep(POLL_INTERVAL)
+
+    async def metrics_text(self) -> str:
+        """Every replica's metrics, each sample labelled ``replica="i"``."""
+        texts = await asyncio.gather(*(r.metrics_text.remote() for r in self.replicas))
+        return label_replicas(texts)
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new requests (503), let routed ones finish for up to
+        ``timeout`` seconds, then abort the rest (their streams end with a
+        503 error event). Returns how many had to be failed."""
+        self._ready = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._placement and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self._placement)
+        for request_id in left:
+            await self.abort(request_id, RequestFailed(
+                request_id, 503, "The server shut down before this request finished "
+                "(--drain-timeout).", type="service_unavailable"))
+        log.info("drain_finished", failed_requests=len(left))
+        return len(left)
+
+    async def shutdown(self) -> None:
+        """Stop polling and every replica."""
+        self._ready = False
+        if self._poller is not None:
+            self._poller.cancel()
+        await asyncio.gather(*(r.shutdown.remote() for r in self.replicas),
+                             return_exceptions=True)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?(\s.*)$")
+
+
+def label_replicas(texts: list[str]) -> str:
+    """Merge Prometheus texts, one per replica, adding ``replica="i"`` to
+    each sample. A metric's samples stay one group under its ``# HELP`` and
+    ``# TYPE`` lines, as the text format requires."""
+    families: dict[str, list[str]] = {}  # family -> its HELP/TYPE lines, then samples
+    for index, text in enumerate(texts):
+        family = None
+        for line in text.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                family = line.split()[2]
+                head = families.setdefault(family, [])
+                if line not in head:
+                    head.insert(sum(1 for h in head if h.startswith("#")), line)
+                continue
+            match = _SAMPLE.match(line)
+            if match is None or family is None:
+                continue
+            name, _, labels, rest = match.groups()
+            label = f'replica="{index}"' + (f",{labels}" if labels else "")
+            families[family].append(f"{name}{{{label}}}{rest}")
+    return "\n".join(line for lines in families.values() for line in lines) + "\n"

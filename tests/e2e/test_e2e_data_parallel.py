@@ -1,0 +1,116 @@
+"""Acceptance (issue 16, replicas and routing): ``kvserve serve
+--data-parallel-size 2`` on a local Ray (no set-up) serves the golden
+prompts with the outputs of one engine, and the same long prefix sent
+repeatedly lands on one replica and reports ``cached_tokens``.
+
+Both replicas run one CPU thread each; the reference is the shared
+single-engine server of the e2e suite (two threads). A divergence is
+accepted only at a near-tie of the top-2 logits (``first_divergence``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from e2e_support import GOLDEN, SERVER_MAX_MODEL_LEN, LiveServer, first_divergence
+
+pytestmark = pytest.mark.model
+
+SYSTEM = ("You are a meticulous assistant for a library. Answer questions about books, "
+          "authors and opening hours briefly, politely and only with facts you are sure of. "
+          "If you do not know, say so in one sentence and suggest asking the front desk.")
+
+
+@pytest.fixture(scope="module")
+def dp_server(default_model_path, tmp_path_factory):
+    server = LiveServer(default_model_path, tmp_path_factory.mktemp("kvserve-dp"),
+                        extra_args=["--max-model-len", str(SERVER_MAX_MODEL_LEN),
+                                    "--data-parallel-size", "2", "--stats-interval", "0"])
+    yield server
+    server.stop()
+
+
+def greedy(case: dict) -> tuple[str, dict]:
+    body = {"max_tokens": case["max_tokens"], "temperature": 0}
+    if "messages" in case:
+        return "/v1/chat/completions", {**body, "messages": case["messages"],
+                                        "logprobs": True, "top_logprobs": 2}
+    return "/v1/completions", {**body, "prompt": case["prompt"], "logprobs": 2}
+
+
+def tokens_and_top2(choice: dict) -> tuple[list[str], list[list[float]]]:
+    if "message" in choice:
+        items = choice["logprobs"]["content"]
+        return ([i["token"] for i in items],
+                [[t["logprob"] for t in i["top_logprobs"]] for i in items])
+    logprobs = choice["logprobs"]
+    return logprobs["tokens"], [sorted(d.values(), reverse=True)
+                                for d in logprobs["top_logprobs"]]
+
+
+async def ask_all(base_url: str, cases: list[dict]) -> list[dict]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+        requests = [greedy(c) for c in cases]
+        responses = await asyncio.gather(*(client.post(path, json=body)
+                                           for path, body in requests))
+    for response in responses:
+        assert response.status_code == 200, response.text
+    return [r.json()["choices"][0] for r in responses]
+
+
+def test_two_replicas_serve_the_golden_prompts_as_one_engine(dp_server, live_server):
+    cases = [p.values[0]["case"] for p in GOLDEN if p.values[0] is not None]
+    assert cases, "the golden cases are required"
+    one = asyncio.run(ask_all(live_server.base_url, cases))
+    two = asyncio.run(ask_all(dp_server.base_url, cases))  # concurrent: both replicas work
+    for case, ref, got in zip(cases, one, two, strict=True):
+        ref_tokens, ref_top2 = tokens_and_top2(ref)
+        got_tokens, got_top2 = tokens_and_top2(got)
+        top2 = [min(a, b, key=lambda t: t[0] - t[1]) for a, b in zip(got_top2, ref_top2)]
+        if first_divergence(ref_tokens, got_tokens, top2, case.get("name", "case")) is None:
+            assert ref.get("text", ref.get("message")) == got.get("text", got.get("message"))
+    routed = routed_events(dp_server)
+    assert {e["replica"] for e in routed} == {0, 1}, "test precondition: both replicas served"
+
+
+def routed_events(server: LiveServer) -> list[dict]:
+    events = []
+    for line in server.stderr_path.read_text().splitlines():
+        try:
+            event = json.loads(line[line.index("{"):])
+        except ValueError:
+            continue
+        if event.get("event") == "request_routed":
+            events.append(event)
+    return events
+
+
+def test_a_repeated_long_prefix_lands_on_one_replica_and_hits_its_cache(dp_server):
+    questions = ["Who wrote Emma?", "When do you open?", "Do you have Dune?",
+                 "Who wrote Ulysses?"]
+    cached, ids = [], []
+    with httpx.Client(base_url=dp_server.base_url, timeout=300) as client:
+        for i, question in enumerate(questions):
+            rid = f"prefix-{i}"
+            response = client.post("/v1/chat/completions", headers={"X-Request-Id": rid},
+                                   json={"messages": [{"role": "system", "content": SYSTEM},
+                                                      {"role": "user", "content": question}],
+                                         "max_tokens": 4, "temperature": 0})
+            assert response.status_code == 200, response.text
+            cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            ids.append(rid)
+    routed = {e["request_id"]: e for e in routed_events(dp_server)}
+    replicas = {routed[rid]["replica"] for rid in ids}
+    assert len(replicas) == 1, [routed[rid] for rid in ids]
+    assert all(routed[rid]["reason"] == "prefix" for rid in ids[1:])
+    assert cached[0] == 0 or cached[0] < cached[1]
+    assert all(c >= 48 for c in cached[1:]), cached  # the system prompt's full blocks
+
+
+def test_metrics_carry_a_replica_label(dp_server):
+    text = httpx.get(f"{dp_server.base_url}/metrics", timeout=30).text
+    assert 'kvserve:num_requests_running{replica="0"' in text
+    assert 'kvserve:num_requests_running{replica="1"' in text
