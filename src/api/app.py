@@ -109,10 +109,12 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
-        """``GET /health``: 200 when the engine is ready, else 503 (saying why
-        when the engine failed)."""
+        """``GET /health``: 200 when the engine is ready (``degraded``, with
+        the replicas down, while a data-parallel replica restarts), else 503
+        (saying why when the engine failed)."""
         if engine.is_ready():
-            return JSONResponse({"status": "ok"})
+            status = getattr(engine, "health", None)
+            return JSONResponse(status() if status is not None else {"status": "ok"})
         reason = getattr(engine, "dead_reason", None)
         message = f"The engine failed: {reason}" if reason else "The engine is not ready"
         return JSONResponse(error_body(message, "service_unavailable"), status_code=503)

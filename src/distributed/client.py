@@ -20,7 +20,8 @@ from pathlib import Path
 
 import structlog
 
-from kvserve.actors.messages import GenerateRequest, RequestFailed
+from kvserve.actors.messages import (GenerateRequest, RequestAccepted, RequestFailed,
+                                     RequestOutput)
 from kvserve.actors.stream import RequestStream
 from kvserve.config import EngineConfig
 from kvserve.core.router import PrefixAwareRouter, ReplicaLoad
@@ -53,6 +54,8 @@ class DataParallelClient:
         self._streams: dict[str, RequestStream] = {}
         self._poller: asyncio.Task | None = None
         self._ready = False
+        self.up = [True] * len(replicas)  # False while a replica is dead or restarting
+        self._restarting: set[int] = set()
 
     @classmethod
     async def start(cls, config: EngineConfig, num_replicas: int, *,
@@ -68,7 +71,8 @@ class DataParallelClient:
         threads = config.num_threads or max(1, int(ray.available_resources().get("CPU", 1))
                                             // num_replicas)
         config = replace(config, num_threads=threads)
-        actor = ray.remote(num_cpus=threads)(EngineReplica)
+        # Ray restarts a dead replica's process; the poll loop then starts its engine again
+        actor = ray.remote(num_cpus=threads, max_restarts=-1, max_task_retries=0)(EngineReplica)
         replicas = [actor.remote(i, config, model_name, request_timeout, stats_interval)
                     for i in range(num_replicas)]
         infos = await asyncio.gather(*(r.start.remote() for r in replicas))
@@ -82,7 +86,8 @@ class DataParallelClient:
         return client
 
     def is_ready(self) -> bool:
-        return self._ready
+        """True while accepting requests and at least one replica is up."""
+        return self._ready and any(self.up)
 
     def generate(self, request: GenerateRequest) -> RequestStream:
         """Route ``request`` to a replica and relay its events."""
@@ -100,35 +105,77 @@ class DataParallelClient:
         return stream
 
     async def _relay(self, request: GenerateRequest, stream: RequestStream) -> None:
-        rid = request.request_id
+        """Route and relay; a replica that dies before the request streamed a
+        token is retried on another one, after that the stream ends with a
+        500 error event."""
+        rid, tried, progress = request.request_id, set(), _Progress()
         try:
-            replica = await self._route(request)
-        except BaseException:
+            while True:
+                replica = await self._route(request, exclude=tried)
+                if replica is None:
+                    stream.put(RequestFailed(rid, 503, "No replica is available.",
+                                             type="service_unavailable"))
+                    return
+                if await self._relay_from(replica, request, stream, progress):
+                    return
+                tried.add(replica)
+                if progress.streamed:
+                    stream.put(RequestFailed(rid, 500, f"Replica {replica} died while this "
+                                             "request was streaming.", type="server_error"))
+                    return
+                log.warning("request_retried", request_id=rid, failed_replica=replica)
+        finally:
             self._forget(rid)
-            raise
+
+    async def _relay_from(self, replica: int, request: GenerateRequest, stream: RequestStream,
+                          progress: _Progress) -> bool:
+        """Relay one replica's events; False when the replica died. A
+        non-streaming request's events are held until the replica is done
+        with it, so that a retry after a death starts from a clean slate
+        (its client has seen nothing)."""
+        from ray.exceptions import RayActorError
+
+        rid = request.request_id
         self._placement[rid] = (replica, self._placement[rid][1])
         self._in_flight[replica] += 1
+        held: list = []
         try:
             async for ref in self.replicas[replica].generate.options(
                     num_returns="streaming").remote(request):
-                stream.put(await ref)
-        except Exception as exc:  # noqa: BLE001 - the replica died: this request fails alone
+                event = await ref
+                if request.stream is False:
+                    held.append(event)
+                elif progress.relay(event):
+                    stream.put(event)
+            for event in held:
+                if progress.relay(event):
+                    stream.put(event)
+            return True
+        except RayActorError as exc:
+            self._mark_down(replica, exc)
+            return False
+        except Exception as exc:  # noqa: BLE001 - anything else fails this request alone
             log.error("replica_request_failed", replica=replica, request_id=rid, error=repr(exc))
             stream.put(RequestFailed(rid, 500, f"Replica {replica} failed: "
                                      f"{type(exc).__name__}", type="server_error"))
+            return True
         finally:
             self._in_flight[replica] -= 1
-            self._forget(rid)
 
     def _forget(self, request_id: str) -> None:
         self._placement.pop(request_id, None)
         self._streams.pop(request_id, None)
 
-    async def _route(self, request: GenerateRequest) -> int:
+    async def _route(self, request: GenerateRequest, exclude: set[int]) -> int | None:
+        """The replica for ``request`` among those up and not in ``exclude``
+        (None when there is none)."""
+        available = [up and i not in exclude for i, up in enumerate(self.up)]
+        if not any(available):
+            return None
         tokens = await asyncio.to_thread(self._prompt_tokens, request)
         loads = [replace(load, running=max(load.running, n))
                  for load, n in zip(self.loads, self._in_flight)]
-        decision = self.router.route(tokens, loads)
+        decision = self.router.route(tokens, loads, available)
         log.info("request_routed", request_id=request.request_id, replica=decision.replica,
                  reason=decision.reason, cached_blocks=decision.cached_blocks,
                  prefix_replica=decision.prefix_replica, prefix_blocks=decision.prefix_blocks)
@@ -171,11 +218,45 @@ class DataParallelClient:
                                          return_exceptions=True)
             for i, result in enumerate(polls):
                 if isinstance(result, BaseException):
+                    self._mark_down(i, result)
                     continue
-                load, events = result
+                load, events, started = result
+                if not started:  # Ray restarted the process: start its engine again
+                    self._mark_down(i, None)
+                    if i not in self._restarting:
+                        self._restarting.add(i)
+                        asyncio.create_task(self._restart(i))
+                    continue
                 self.loads[i] = load
                 self.router.apply_events(i, events)
             await asyncio.sleep(POLL_INTERVAL)
+
+    def _mark_down(self, replica: int, exc: BaseException | None) -> None:
+        if self.up[replica]:
+            self.up[replica] = False
+            self.router.forget(replica)  # a restarted replica's cache is empty
+            log.error("replica_down", replica=replica, error=repr(exc) if exc else None,
+                      message=f"Replica {replica} is down; Ray restarts it")
+
+    async def _restart(self, replica: int) -> None:
+        try:
+            info = await self.replicas[replica].start.remote()
+            self.up[replica] = True
+            log.info("replica_restarted", replica=replica, pid=info["pid"],
+                     message=f"Replica {replica} is serving again")
+        except Exception as exc:  # noqa: BLE001 - the next poll tries again
+            log.error("replica_restart_failed", replica=replica, error=repr(exc))
+        finally:
+            self._restarting.discard(replica)
+
+    def health(self) -> dict:
+        """``{"status": "ok"}``, ``"degraded"`` (with the replicas down) while
+        some replica is down, or ``"unavailable"`` when none is up."""
+        down = [i for i, up in enumerate(self.up) if not up]
+        if not down:
+            return {"status": "ok"}
+        status = "unavailable" if len(down) == len(self.up) else "degraded"
+        return {"status": status, "replicas_down": down}
 
     async def metrics_text(self) -> str:
         """Every replica's metrics, each sample labelled ``replica="i"``."""
@@ -206,6 +287,25 @@ class DataParallelClient:
             self._poller.cancel()
         await asyncio.gather(*(r.shutdown.remote() for r in self.replicas),
                              return_exceptions=True)
+
+
+class _Progress:
+    """What a request's stream has relayed so far, across retries: one
+    ``RequestAccepted`` only, and whether any output (a token) went out."""
+
+    def __init__(self) -> None:
+        self.accepted = False
+        self.streamed = False
+
+    def relay(self, event) -> bool:
+        """Whether to pass ``event`` on (a retry's second acceptance is not)."""
+        if isinstance(event, RequestAccepted):
+            if self.accepted:
+                return False
+            self.accepted = True
+        elif isinstance(event, RequestOutput):
+            self.streamed = True
+        return True
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?(\s.*)$")

@@ -9,6 +9,7 @@ the actor's coroutines on one event loop, the engine's own.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 from kvserve.actors.messages import GenerateRequest, StreamEvent
@@ -53,7 +54,8 @@ class EngineReplica:
         self.engine.core.scheduler.kv_cache_manager.pool.events = self.events
         plan = self.engine.core.plan
         return {"max_model_len": self.engine.max_model_len, "block_size": plan.block_size,
-                "num_kv_tokens": plan.num_tokens, "model_name": self.engine.model_name}
+                "num_kv_tokens": plan.num_tokens, "model_name": self.engine.model_name,
+                "pid": os.getpid()}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
         """The request's events, as the engine's stream gives them; the
@@ -70,11 +72,15 @@ class EngineReplica:
         """Stop a request (its client left)."""
         await self.engine.abort(request_id)
 
-    def poll(self) -> tuple[ReplicaLoad, tuple[KVEvent, ...]]:
-        """The replica's load now and its KV events since the last poll."""
+    def poll(self) -> tuple[ReplicaLoad, tuple[KVEvent, ...], bool]:
+        """The replica's load now, its KV events since the last poll, and
+        whether its engine runs (False after Ray restarted the process: the
+        client calls ``start`` again)."""
+        if self.engine is None:
+            return ReplicaLoad(), (), False
         core = self.engine.core.scheduler
         load = ReplicaLoad(running=core.num_running, waiting=self.engine.scheduler.num_waiting)
-        return load, self.events.drain()
+        return load, self.events.drain(), True
 
     def is_ready(self) -> bool:
         return self.engine is not None and self.engine.is_ready()

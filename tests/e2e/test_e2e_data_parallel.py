@@ -114,3 +114,65 @@ def test_metrics_carry_a_replica_label(dp_server):
     text = httpx.get(f"{dp_server.base_url}/metrics", timeout=30).text
     assert 'kvserve:num_requests_running{replica="0"' in text
     assert 'kvserve:num_requests_running{replica="1"' in text
+
+
+def replica_pids(server: LiveServer) -> dict[int, int]:
+    pids = {}
+    for line in server.stderr_path.read_text().splitlines():
+        if "replica_started" in line or "replica_restarted" in line:
+            event = json.loads(line[line.index("{"):])
+            pids[event["replica"]] = event["pid"]
+    return pids
+
+
+async def load_then_kill(server: LiveServer, pid: int) -> tuple[list, list, dict]:
+    """12 non-streaming and 2 streaming requests; SIGKILL one replica while
+    they run; then wait (with a deadline) for /health to be ok again."""
+    import os
+    import signal
+
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
+        async def plain(i):
+            r = await client.post("/v1/completions", json={
+                "prompt": f"Story {i}: once upon a time", "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True})
+            return r.status_code, r.json()
+
+        async def streamed(i):
+            lines = []
+            async with client.stream("POST", "/v1/completions", json={
+                    "prompt": f"Tale {i}: long ago", "max_tokens": 40, "temperature": 0,
+                    "ignore_eos": True, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    lines.append(line)
+            return lines
+
+        plains = [asyncio.create_task(plain(i)) for i in range(12)]
+        streams = [asyncio.create_task(streamed(i)) for i in range(2)]
+        while not any("replica=" in line or "request_routed" in line
+                      for line in server.stderr_path.read_text().splitlines()[-50:]):
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # the replicas are mid-step
+        os.kill(pid, signal.SIGKILL)
+        plain_results = await asyncio.gather(*plains)
+        stream_results = await asyncio.gather(*streams)
+        loop = asyncio.get_running_loop()
+        deadline, health = loop.time() + 120, {}
+        while loop.time() < deadline:
+            response = await client.get("/health")
+            health = response.json()
+            if response.status_code == 200 and health.get("status") == "ok":
+                break
+            await asyncio.sleep(0.2)
+    return plain_results, stream_results, health
+
+
+def test_a_killed_replica_loses_no_unstreamed_request_and_comes_back(dp_server):
+    pids = replica_pids(dp_server)
+    plain, streamed, health = asyncio.run(load_then_kill(dp_server, pids[0]))
+    for status, body in plain:  # nothing was sent to these clients: retried, complete
+        assert status == 200 and body["usage"]["completion_tokens"] == 40, body
+    for lines in streamed:  # complete, or ended with an error event: never hung
+        assert lines[-2:] == ["data: [DONE]", ""] or "data: [DONE]" in lines, lines[-3:]
+    assert health == {"status": "ok"}
+    assert replica_pids(dp_server)[0] != pids[0], "test precondition: the replica restarted"
