@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-parallel-size", type=POSITIVE_INT, default=1,
                        help="engine replicas, each a Ray actor with its own KV cache; "
                             "requests go to the replica holding their prefix (vLLM's flag)")
+    serve.add_argument("--data-parallel-routing", default="prefix",
+                       choices=["prefix", "round_robin"],
+                       help="prefix: the replica holding the longest cached prefix unless "
+                            "overloaded, else the least loaded; round_robin: in turn")
     serve.add_argument("--ray-address", default=None,
                        help="an existing Ray cluster (default: a local Ray started with no "
                             "set-up)")
@@ -311,7 +315,7 @@ async def _start_replicas(args: argparse.Namespace, config: EngineConfig):
     client = await DataParallelClient.start(
         config, args.data_parallel_size, ray_address=args.ray_address,
         model_name=args.served_model_name, request_timeout=args.request_timeout,
-        stats_interval=args.stats_interval)
+        stats_interval=args.stats_interval, routing=args.data_parallel_routing)
 
     async def metrics(request) -> Response:
         return Response(await client.metrics_text(), media_type=CONTENT_TYPE_LATEST)

@@ -32,6 +32,9 @@ log = structlog.get_logger("kvserve.router")
 
 #: Seconds between two reads of the replicas' loads and KV events.
 POLL_INTERVAL = 0.05
+#: ``--data-parallel-routing``: ``prefix`` (``kvserve.core.router``) or
+#: ``round_robin`` (the baseline it is measured against).
+ROUTING_POLICIES = ("prefix", "round_robin")
 
 
 class DataParallelClient:
@@ -42,7 +45,12 @@ class DataParallelClient:
     ``model_name``, ``max_model_len``.
     """
 
-    def __init__(self, replicas: list, infos: list[dict], tokenizer: Tokenizer) -> None:
+    def __init__(self, replicas: list, infos: list[dict], tokenizer: Tokenizer,
+                 routing: str = "prefix") -> None:
+        if routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {routing!r}")
+        self.routing = routing
+        self._next = 0  # round robin's next replica
         self.replicas = replicas
         self.tokenizer = tokenizer
         self.model_name = infos[0]["model_name"]
@@ -60,8 +68,8 @@ class DataParallelClient:
     @classmethod
     async def start(cls, config: EngineConfig, num_replicas: int, *,
                     ray_address: str | None = None, model_name: str | None = None,
-                    request_timeout: float | None = None,
-                    stats_interval: float = 10.0) -> DataParallelClient:
+                    request_timeout: float | None = None, stats_interval: float = 10.0,
+                    routing: str = "prefix") -> DataParallelClient:
         """Start Ray (locally unless ``ray_address``), then the replicas, in
         parallel; returns when every replica has loaded its model."""
         import ray
@@ -80,7 +88,7 @@ class DataParallelClient:
             log.info("replica_started", replica=i, num_threads=threads, **info,
                      message=f"Replica {i}: {info['num_kv_tokens']:,} KV tokens, "
                              f"{threads} CPU thread(s)")
-        client = cls(replicas, infos, Tokenizer(Path(config.model)))
+        client = cls(replicas, infos, Tokenizer(Path(config.model)), routing)
         client._poller = asyncio.create_task(client._poll_loop(), name="replica-poller")
         client._ready = True
         return client
@@ -172,6 +180,8 @@ class DataParallelClient:
         available = [up and i not in exclude for i, up in enumerate(self.up)]
         if not any(available):
             return None
+        if self.routing == "round_robin":
+            return self._round_robin(request.request_id, available)
         tokens = await asyncio.to_thread(self._prompt_tokens, request)
         loads = [replace(load, running=max(load.running, n))
                  for load, n in zip(self.loads, self._in_flight)]
@@ -180,6 +190,14 @@ class DataParallelClient:
                  reason=decision.reason, cached_blocks=decision.cached_blocks,
                  prefix_replica=decision.prefix_replica, prefix_blocks=decision.prefix_blocks)
         return decision.replica
+
+    def _round_robin(self, request_id: str, available: list[bool]) -> int:
+        """The next available replica in turn (the baseline prefix routing is measured against)."""
+        n = len(available)
+        replica = next(i % n for i in range(self._next, self._next + n) if available[i % n])
+        self._next = replica + 1
+        log.info("request_routed", request_id=request_id, replica=replica, reason="round_robin")
+        return replica
 
     def _prompt_tokens(self, request: GenerateRequest) -> list[int]:
         """The prompt's token ids as the replica will see them (empty when the
