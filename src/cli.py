@@ -61,6 +61,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (prefill chunks + decodes); default 128 on "
                         "the CPU backend (keeps decodes flowing while long prompts prefill), "
                         "2048 on CUDA")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="while others wait, one prompt's prefill takes at most this many "
+                        "tokens of a step (default: half the step budget; 0: no cap)")
     p.add_argument("--max-num-seqs", type=POSITIVE_INT, default=64, help="most sequences in one step")
     p.add_argument("--max-step-ms", type=POSITIVE_FLOAT, default=None,
                    help="target milliseconds per step: each step's token budget is sized from "
@@ -106,9 +109,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if model is None:
         from kvserve.model.default_model import ensure_default_model
         model = str(ensure_default_model())
+    budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[args.backend]
+    threshold = args.long_prefill_token_threshold
     scheduler = SchedulerConfig(
-        max_num_batched_tokens=(args.max_num_batched_tokens
-                                or DEFAULT_MAX_NUM_BATCHED_TOKENS[args.backend]),
+        max_num_batched_tokens=budget,
+        long_prefill_token_threshold=budget // 2 if threshold is None else threshold,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len or 1 << 30, policy=args.scheduling_policy,
         priority_aging_seconds=args.priority_aging_seconds,

@@ -116,6 +116,11 @@ class SchedulerConfig:
     budget so that a step takes about that long (``core.step_budget``).
     ``async_scheduling`` (``--async-scheduling``, vLLM's flag) schedules step
     N+1 while step N computes: two steps in flight instead of one.
+    ``long_prefill_token_threshold`` (vLLM's flag): while other requests
+    wait, one prompt's prefill chunk takes at most this many tokens of a
+    step, so a long prompt cannot hold every later arrival back until it is
+    prefilled; 0 (the default here, as in vLLM) is no cap. ``kvserve
+    serve`` sets half of ``max_num_batched_tokens`` unless told otherwise.
     """
 
     max_num_batched_tokens: int = 2048
@@ -127,6 +132,7 @@ class SchedulerConfig:
     max_waiting_tokens: int | None = None
     max_step_seconds: float | None = None
     async_scheduling: bool = True
+    long_prefill_token_threshold: int = 0
 
     @property
     def max_steps_in_flight(self) -> int:
@@ -140,6 +146,8 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
 
 
 @dataclass(frozen=True)

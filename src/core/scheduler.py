@@ -243,6 +243,8 @@ class Scheduler:
         limit = request.max_model_len or self.config.max_model_len
         num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens,
                       step.budget, limit - request.num_computed_tokens)
+        if request.num_computed_tokens < request.num_prompt_tokens and self.waiting:
+            num_new = self._capped(num_new)  # a prefill leaves room for those waiting
         if num_new <= 0 or _ends_in_flight(request, limit):
             return True
         while self.kv_cache_manager.allocate_slots(request, num_new) is None:
@@ -252,6 +254,12 @@ class Scheduler:
                 return False
         self._add_to_step(request, num_new, step)
         return True
+
+    def _capped(self, num_new: int) -> int:
+        """``num_new`` prefill tokens, at most ``long_prefill_token_threshold``
+        (vLLM's flag) when it is set."""
+        cap = self.config.long_prefill_token_threshold
+        return min(num_new, cap) if cap > 0 else num_new
 
     def _add_to_step(self, request: Request, num_new: int, step: _Step) -> None:
         """Schedule ``num_new`` tokens and register the blocks they fill."""
@@ -348,6 +356,8 @@ class Scheduler:
         first = request.num_cached_tokens < 0
         divergence = manager.find_divergence(request, len(hit_blocks)) if first else None
         num_new = min(request.num_tokens - num_hit, step.budget)
+        if len(self.waiting) > 1:  # others wait behind it
+            num_new = self._capped(num_new)
         if manager.allocate_slots(request, num_new, hit_blocks) is None:
             return False
         self.waiting.pop()

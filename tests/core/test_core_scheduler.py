@@ -339,3 +339,31 @@ def test_same_request_id_can_be_reused_after_finishing():
     out, updates = step(sched)
     assert out.finished_request_ids == ("a",) and by_id(out)["a"].is_new
     assert updates["a"].finished
+
+
+def test_a_long_prefill_leaves_room_for_a_request_that_arrives():
+    """``long_prefill_token_threshold`` (vLLM's): a fresh user's 6,031-token
+    prompt held a 33-token request in the queue for 16 s; with the cap, the
+    short request is admitted in the next step, beside the long prefill."""
+    manager = KVCacheManager(400, 4, True)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, long_prefill_token_threshold=8),
+                      manager, 4)
+    sched.add_request(make_req("long", 200))
+    out, _ = step(sched)
+    assert by_id(out)["long"].num_tokens == 16  # alone: the whole budget
+    sched.add_request(make_req("short", 6, first=500))
+    out, _ = step(sched)
+    chunks = {rid: s.num_tokens for rid, s in by_id(out).items()}
+    assert chunks == {"long": 8, "short": 6}
+    out, _ = step(sched)  # nobody waits: the long prefill takes what is left again
+    assert by_id(out)["long"].num_tokens == 16 - 1  # the short one decodes its token
+
+
+def test_without_the_cap_a_long_prefill_holds_the_queue():
+    manager = KVCacheManager(400, 4, True)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16), manager, 4)
+    sched.add_request(make_req("long", 200))
+    step(sched)
+    sched.add_request(make_req("short", 6, first=500))
+    out, _ = step(sched)
+    assert set(by_id(out)) == {"long"}
