@@ -7,6 +7,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,7 +40,8 @@ class ServerProcess:
         server_args: extra ``kvserve serve`` flags (ignored with ``command``).
         command: a full command line with ``{port}`` (e.g. a vLLM or llama.cpp
             server); default ``python -m kvserve.cli serve --port {port} ...``.
-        log_path: file for the server's stdout and stderr (its JSON logs).
+        log_path: file for the server's stdout and stderr (its JSON logs); default
+            ``kvserve-bench-server-PORT.log`` in the temp folder.
         health_paths: paths polled until one answers 200.
     """
 
@@ -53,7 +55,8 @@ class ServerProcess:
         else:
             self.args = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1",
                          "--port", str(self.port), "--log-format", "json", *server_args]
-        self.log_path = Path(log_path) if log_path else Path(f"kvserve-bench-server-{self.port}.log")
+        self.log_path = (Path(log_path) if log_path else  # default: not in the working tree
+                         Path(tempfile.gettempdir()) / f"kvserve-bench-server-{self.port}.log")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
