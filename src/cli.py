@@ -481,8 +481,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _run_tool(args)
         except ModuleNotFoundError as exc:  # the bench extra is not installed
+            hint = " (or pass --no-plots)" if args.command == "analyze" else ""
             print(f"kvserve {args.command}: error: {exc.name} is missing; install the bench "
-                  "extra: pip install 'kvserve[bench]'", file=sys.stderr)
+                  f"extra: pip install 'kvserve[bench]'{hint}", file=sys.stderr)
             return 2
     return 0
 

@@ -24,6 +24,11 @@ from kvserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, 
 BALANCE_ABS_THRESHOLD = 4
 #: ... and is more than this factor of it.
 BALANCE_REL_THRESHOLD = 1.5
+#: A cached prefix counts only when it covers at least this fraction of the
+#: prompt's full blocks (SGLang's ``cache_threshold``): every chat shares the
+#: template's first block, and a one-block match must not pull all traffic
+#: onto one replica while the others idle.
+MIN_PREFIX_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -64,19 +69,23 @@ class PrefixAwareRouter:
         block_size: tokens per KV block (the replicas' ``--block-size``): the
             router hashes prompts exactly as the replicas' caches do.
         abs_threshold, rel_threshold: the overload margin (module constants).
+        min_prefix_fraction: the least share of a prompt's full blocks a
+            cached prefix must cover to count (``MIN_PREFIX_FRACTION``).
 
     Raises ``ValueError`` for fewer than one replica or a block size below 1.
     """
 
     def __init__(self, num_replicas: int, block_size: int,
                  abs_threshold: int = BALANCE_ABS_THRESHOLD,
-                 rel_threshold: float = BALANCE_REL_THRESHOLD) -> None:
+                 rel_threshold: float = BALANCE_REL_THRESHOLD,
+                 min_prefix_fraction: float = MIN_PREFIX_FRACTION) -> None:
         if num_replicas < 1 or block_size < 1:
             raise ValueError(f"need >= 1 replica and block_size >= 1, got {num_replicas} "
                              f"and {block_size}")
         self.block_size = block_size
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
+        self.min_prefix_fraction = min_prefix_fraction
         self.index: list[set[bytes]] = [set() for _ in range(num_replicas)]
 
     def apply_events(self, replica: int, events: Iterable[KVEvent]) -> None:
@@ -114,8 +123,8 @@ class PrefixAwareRouter:
         cached = {i: self.cached_prefix(i, hashes) for i in up}
         least = min(up, key=lambda i: (loads[i].requests, loads[i].waiting_tokens, i))
         best = max(up, key=lambda i: (cached[i], -loads[i].requests, -i))
-        if cached[best] == 0:
-            return RouteDecision(least, "least_load", 0)
+        if cached[best] == 0 or cached[best] < self.min_prefix_fraction * len(hashes):
+            return RouteDecision(least, "least_load", cached[least])
         if self._overloaded(loads[best], loads[least]):
             return RouteDecision(least, "prefix_overloaded", cached[least], best, cached[best])
         return RouteDecision(best, "prefix", cached[best], best, cached[best])

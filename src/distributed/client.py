@@ -14,6 +14,7 @@ one is overloaded. Each routing decision is a ``request_routed`` log event.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +30,13 @@ from kvserve.distributed.replica import EngineReplica
 from kvserve.model.tokenizer import Tokenizer
 
 log = structlog.get_logger("kvserve.router")
+
+#: How Ray forwards the replicas' log lines to this process's stderr: each
+#: line as the replica wrote it (a JSON object carrying ``replica``), with no
+#: "(EngineReplica pid=...)" prefix or colour codes, and none folded into
+#: "[repeated Nx]" (every request's events must reach the log).
+RAY_LOG_ENV = {"RAY_DISABLE_WORKER_LOG_PREFIX": "1", "RAY_COLOR_PREFIX": "0",
+               "RAY_DEDUP_LOGS": "0"}
 
 #: Seconds between two reads of the replicas' loads and KV events.
 POLL_INTERVAL = 0.05
@@ -72,6 +80,8 @@ class DataParallelClient:
                     routing: str = "prefix") -> DataParallelClient:
         """Start Ray (locally unless ``ray_address``), then the replicas, in
         parallel; returns when every replica has loaded its model."""
+        for name, value in RAY_LOG_ENV.items():  # read when ray is first imported
+            os.environ.setdefault(name, value)
         import ray
 
         if not ray.is_initialized():
@@ -253,7 +263,8 @@ class DataParallelClient:
         if self.up[replica]:
             self.up[replica] = False
             self.router.forget(replica)  # a restarted replica's cache is empty
-            log.error("replica_down", replica=replica, error=repr(exc) if exc else None,
+            cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}" if exc else None
+            log.error("replica_down", replica=replica, error=cause,
                       message=f"Replica {replica} is down; Ray restarts it")
 
     async def _restart(self, replica: int) -> None:

@@ -57,8 +57,8 @@ def test_the_cache_manager_reports_what_it_stores_and_evicts():
     assert removed == set(expected)
 
 
-def router_holding(prefix, replica=1, replicas=3):
-    router = PrefixAwareRouter(replicas, BLOCK)
+def router_holding(prefix, replica=1, replicas=3, min_prefix_fraction=0.5):
+    router = PrefixAwareRouter(replicas, BLOCK, min_prefix_fraction=min_prefix_fraction)
     router.apply_events(replica, [BlockStored(tuple(hash_request_blocks(prefix, BLOCK)))])
     return router
 
@@ -99,7 +99,7 @@ def test_an_overloaded_prefix_replica_is_passed_over(prefix_load, expected):
 
 def test_evicted_cleared_and_down_replicas_are_forgotten():
     prompt = list(range(16))
-    router = router_holding(prompt)
+    router = router_holding(prompt, min_prefix_fraction=0.0)  # the index alone
     hashes = hash_request_blocks(prompt, BLOCK)
     router.apply_events(1, [BlockRemoved((hashes[1],))])  # a gap: blocks 2, 3 are unreachable
     assert router.route(prompt, IDLE).cached_blocks == 1
@@ -110,3 +110,14 @@ def test_evicted_cleared_and_down_replicas_are_forgotten():
     assert router.route(prompt, IDLE).reason == "least_load"
     with pytest.raises(ValueError):
         router.route(prompt, IDLE, available=[False, False, False])
+
+
+def test_a_short_shared_head_does_not_pull_traffic_to_one_replica():
+    """Every chat shares the template's first block: a one-block match on a
+    ten-block prompt is below the 0.5 fraction, so load decides."""
+    shared = list(range(4))
+    router = router_holding(shared)
+    loads = [ReplicaLoad(), ReplicaLoad(running=2), ReplicaLoad(running=1)]
+    decision = router.route(shared + list(range(100, 136)), loads)
+    assert (decision.replica, decision.reason) == (0, "least_load")
+    assert router.route(list(range(8)), loads).reason == "prefix"  # 1 of 2 blocks: half counts
