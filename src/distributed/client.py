@@ -109,13 +109,15 @@ class DataParallelClient:
 
     def generate(self, request: GenerateRequest) -> RequestStream:
         """Route ``request`` to a replica and relay its events."""
-        stream = RequestStream(request.request_id, request.sampling_params.n)
-        if not self._ready or request.request_id in self._placement:
-            stream.put(RequestFailed(request.request_id, 503 if not self._ready else 400,
-                                     "The server is not accepting requests." if not self._ready
-                                     else f"Request id {request.request_id!r} is in use.",
-                                     type="service_unavailable" if not self._ready
-                                     else "invalid_request_error"))
+        rid = request.request_id
+        stream = RequestStream(rid, request.sampling_params.n)
+        if not self._ready:
+            stream.put(RequestFailed(rid, 503, "The server is not accepting requests.",
+                                     type="service_unavailable"))
+            return stream
+        if rid in self._placement:
+            stream.put(RequestFailed(rid, 400, f"Request id {rid!r} is already in use.",
+                                     param="X-Request-Id"))
             return stream
         task = asyncio.create_task(self._relay(request, stream))
         self._placement[request.request_id] = (-1, task)

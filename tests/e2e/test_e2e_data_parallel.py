@@ -17,6 +17,8 @@ import httpx
 import pytest
 from e2e_support import GOLDEN, SERVER_MAX_MODEL_LEN, LiveServer, first_divergence
 
+from kvserve.metrics import parse_metrics_text
+
 pytestmark = pytest.mark.model
 
 SYSTEM = ("You are a meticulous assistant for a library. Answer questions about books, "
@@ -125,6 +127,18 @@ def replica_pids(server: LiveServer) -> dict[int, int]:
     return pids
 
 
+async def wait_running(client: httpx.AsyncClient, at_least: int, within: float = 60) -> None:
+    """Until the replicas together run ``at_least`` requests (their gauges)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        samples = parse_metrics_text((await client.get("/metrics")).text)
+        if sum(v for _, v in samples.get("kvserve:num_requests_running", [])) >= at_least:
+            return
+        assert loop.time() < deadline, f"fewer than {at_least} requests ran within {within} s"
+        await asyncio.sleep(0.05)
+
+
 async def load_then_kill(server: LiveServer, pid: int) -> tuple[list, list, dict]:
     """12 non-streaming and 2 streaming requests; SIGKILL one replica while
     they run; then wait (with a deadline) for /health to be ok again."""
@@ -149,10 +163,7 @@ async def load_then_kill(server: LiveServer, pid: int) -> tuple[list, list, dict
 
         plains = [asyncio.create_task(plain(i)) for i in range(12)]
         streams = [asyncio.create_task(streamed(i)) for i in range(2)]
-        while not any("replica=" in line or "request_routed" in line
-                      for line in server.stderr_path.read_text().splitlines()[-50:]):
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)  # the replicas are mid-step
+        await wait_running(client, at_least=4)  # both replicas mid-step
         os.kill(pid, signal.SIGKILL)
         plain_results = await asyncio.gather(*plains)
         stream_results = await asyncio.gather(*streams)
