@@ -77,6 +77,10 @@ class CacheConfig:
 
     ``kv_cache_memory`` is the byte budget for KV blocks on the CPU backend;
     ``num_blocks`` is filled in by the engine after it has measured memory.
+    ``kv_offloading_size``: GiB of host shared memory for the KV offload tier
+    (vLLM's ``--kv-offloading-size``; 0 = no tier); the engine creates it.
+    ``kv_offloading_path``: attach to a tier another process created (the
+    data-parallel client sets it for its replicas) instead.
     """
 
     block_size: int = 16
@@ -84,12 +88,16 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_blocks: int | None = None
+    kv_offloading_size: float = 0.0
+    kv_offloading_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if not self.kv_offloading_size >= 0.0:
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
 
 
 #: Default step token budget per backend. CPU: 128, from

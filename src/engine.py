@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -19,7 +20,7 @@ import structlog
 from kvserve.actors.admission import AdmissionActor
 from kvserve.core.admission_queue import AdmissionLimits, AdmissionQueue
 from kvserve.actors.detokenizer import DetokenizerActor
-from kvserve.actors.messages import AbortRequest, GenerateRequest, RequestFailed
+from kvserve.actors.messages import AbortRequest, AdoptBlocks, GenerateRequest, RequestFailed
 from kvserve.actors.registry import StreamRegistry, child_request_ids
 from kvserve.actors.scheduler import SchedulerActor
 from kvserve.actors.stream import RequestStream
@@ -28,6 +29,7 @@ from kvserve.actors.worker import WorkerActor, worker_executor
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler
+from kvserve.distributed.kv_connector import KVConnector, build_kv_connector
 from kvserve.faults import FaultInjection, FaultyRunner, arm_actor_death
 from kvserve.metrics import EngineMetrics
 from kvserve.model.llama import LlamaModel
@@ -100,8 +102,12 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     runner = ModelRunner(model_config, model, backend.ops, plan.num_blocks, plan.block_size,
                          logprobs_mode=config.logprobs_mode, seed=config.seed,
                          structured=structured)
+    runner.kv_connector = connector = build_kv_connector(
+        backend.ops, runner.kv_caches, config.cache, model_fingerprint(path, config, backend))
+    _log_offload_tier(connector, plan)
     backend.warmup()
-    kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching)
+    kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching,
+                        external=connector if connector.tier is not None else None)
     scheduler = Scheduler(replace(config.scheduler, max_model_len=max_len), kv, plan.block_size)
     log.info("kv_cache_size", message=f"KV cache size: {plan.num_tokens:,} tokens",
              num_tokens=plan.num_tokens, num_blocks=plan.num_blocks,
@@ -124,6 +130,27 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
              message=f"Loaded in {seconds} s: {weights_bytes / 2**20:,.1f} MiB of weights, "
                      f"{plan.num_tokens:,} KV tokens")
     return EngineCore(config, model_config, tokenizer, backend, runner, scheduler, plan, max_len)
+
+
+def model_fingerprint(path: Path, config: EngineConfig, backend: Backend) -> str:
+    """What the K/V of a block depend on besides its tokens: the model's
+    config.json, the weights' quantization and the backend's dtype. Engines
+    share an offload tier only if their fingerprints are equal."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    digest.update(f"|{config.quantization}|{backend.name}|{backend.dtype}".encode())
+    return f"{path.name}:{digest.hexdigest()[:16]}"
+
+
+def _log_offload_tier(connector: KVConnector, plan: KVCachePlan) -> None:
+    tier = connector.tier
+    if tier is None:
+        return
+    size = tier.num_slots * tier.slot_bytes
+    log.info("kv_offload_tier", path=str(tier.path), num_blocks=tier.num_slots,
+             num_tokens=tier.num_slots * plan.block_size, bytes=size, created=connector.owns_tier,
+             message=f"KV offload tier: {size / 2**30:.2f} GiB of shared memory, "
+                     f"{tier.num_slots:,} blocks ({tier.num_slots * plan.block_size:,} tokens), "
+                     f"{'created' if connector.owns_tier else 'attached'} at {tier.path}")
 
 
 def _log_quantization(scheme: str, model: ModelConfig, float_bytes: int, weights_bytes: int,
@@ -178,6 +205,9 @@ class AsyncEngine:
         self._stats_task: asyncio.Task[None] | None = None
         self.scheduler = SchedulerActor(core.scheduler)
         self.scheduler.observer = self.observer
+        self._kv_exports: dict[str, asyncio.Future] = {}
+        self.scheduler.on_kv_export = self._on_kv_export
+        self.scheduler.kv_connector = core.runner.kv_connector
         self.worker = WorkerActor(core.runner, self.scheduler, executor)
         self.detokenizer = DetokenizerActor(core.tokenizer, self.streams)
         sched = core.scheduler.config
@@ -313,6 +343,45 @@ class AsyncEngine:
                 self.request_timeout, self._expire, request.request_id, stream)
         return stream
 
+    # ----------------------------------------------- disaggregated prefill
+
+    def expect_kv_export(self, request_id: str) -> asyncio.Future:
+        """A future for the K/V a request with ``SamplingParams.export_kv``
+        exports when it finishes: a ``kv_connector.ExportedKV`` (its full
+        prompt blocks' hashes and K/V), or None if the export failed. Call before ``generate``; await only if the request finished
+        with ``length`` or ``stop`` (an aborted or failed one exports nothing)."""
+        future = asyncio.get_running_loop().create_future()
+        self._kv_exports[request_id] = future
+        return future
+
+    def _on_kv_export(self, request_id: str, data) -> None:
+        future = self._kv_exports.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_result(data)
+
+    def forget_kv_export(self, request_id: str) -> None:
+        """Drop the future of an export that will not come."""
+        future = self._kv_exports.pop(request_id, None)
+        if future is not None:
+            future.cancel()
+
+    def import_kv(self, request_id: str, block_hashes, data) -> None:
+        """Adopt a prefill replica's blocks for ``request_id`` before it is
+        submitted: ``block_hashes`` (its full prompt blocks, in order) and
+        their K/V ``data`` (``[len(block_hashes), *block_shape]``). The next
+        step loads them; the request then finds them as prefix-cache hits."""
+        self.core.runner.kv_connector.add_import(request_id, block_hashes, data)
+        self.scheduler.send(AdoptBlocks(request_id, tuple(block_hashes)))
+
+    def attach_offload_tier(self, path: str) -> None:
+        """Use the KV offload tier another process created at ``path`` (a
+        data-parallel client's, shared by its replicas). Raises
+        ``ValueError`` if it holds another model's blocks."""
+        connector = self.core.runner.kv_connector
+        connector.attach_tier(path)
+        self.core.scheduler.kv_cache_manager.set_external(connector)
+        _log_offload_tier(connector, self.core.plan)
+
     def _cancel_deadline(self, request_id: str) -> None:
         handle = self._deadlines.pop(request_id, None)
         if handle is not None:
@@ -388,4 +457,6 @@ class AsyncEngine:
             self.log_stats()
         for actor in self._actors:
             await actor.stop()
+        if self.core.runner.kv_connector is not None:
+            self.core.runner.kv_connector.close()
 

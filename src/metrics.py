@@ -76,7 +76,16 @@ METRICS: dict[str, str] = {
     "prefix_cache_divergences": "counter",
     "step_phase_seconds": "histogram",
     "engine_busy_seconds": "counter",
+    "kv_offload_queries": "counter",
+    "kv_offload_hits": "counter",
+    "kv_transfer_blocks": "counter",
+    "kv_transfer_bytes": "counter",
+    "kv_transfer_seconds": "histogram",
 }
+#: Directions of ``kv_transfer_*``: cache -> offload tier, tier -> cache,
+#: cache -> host for a decode replica (prefill side), Ray object store ->
+#: decode replica, host -> cache (decode side).
+KV_TRANSFER_DIRECTIONS = ("offload", "onload", "export", "fetch", "import")
 
 
 def exposed_series(name: str) -> tuple[str, ...]:
@@ -233,6 +242,29 @@ class EngineMetrics:
             "engine_busy_seconds",
             "Seconds the worker spent computing steps; its rate is the busy fraction "
             "(rate(kvserve:engine_busy_seconds_total[1m]), 0..1). kvserve-specific.")
+        self._kv_transfer_metrics(model_name)
+
+    def _kv_transfer_metrics(self, model_name: str) -> None:
+        self.offload_queries = Counter(
+            PREFIX + "kv_offload_queries", "KV offload tier queries, in tokens: full prompt "
+            "blocks the local prefix cache missed at admission. kvserve-specific.",
+            ["model_name"], registry=self.registry).labels(model_name)
+        self.offload_hits = Counter(
+            PREFIX + "kv_offload_hits", "KV offload tier hits, in tokens: prompt tokens loaded "
+            "from the tier instead of computed. kvserve-specific.",
+            ["model_name"], registry=self.registry).labels(model_name)
+        labels = ["model_name", "direction"]
+        blocks = Counter(PREFIX + "kv_transfer_blocks", "KV blocks moved, by direction "
+                         "(offload, onload, export, fetch, import). kvserve-specific.",
+                         labels, registry=self.registry)
+        nbytes = Counter(PREFIX + "kv_transfer_bytes", "Bytes of KV blocks moved, by "
+                         "direction. kvserve-specific.", labels, registry=self.registry)
+        seconds = Histogram(PREFIX + "kv_transfer_seconds", "Histogram of the seconds of each "
+                            "step's KV copies (and of each Ray fetch), by direction. "
+                            "kvserve-specific.", labels, registry=self.registry,
+                            buckets=STEP_PHASE_BUCKETS)
+        self.kv_transfer = {d: (blocks.labels(model_name, d), nbytes.labels(model_name, d),
+                                seconds.labels(model_name, d)) for d in KV_TRANSFER_DIRECTIONS}
 
     # ------------------------------------------------------------ observers
 
@@ -288,6 +320,21 @@ class EngineMetrics:
             self.prefix_hits.inc(hits)
         if divergences:
             self.prefix_divergences.inc(divergences)
+
+    def observe_offload(self, queries: int, hits: int) -> None:
+        """Tokens looked up in / loaded from the offload tier."""
+        if queries:
+            self.offload_queries.inc(queries)
+        if hits:
+            self.offload_hits.inc(hits)
+
+    def observe_kv_transfer(self, direction: str, blocks: int, nbytes: int,
+                            seconds: float) -> None:
+        """One batch of KV blocks moved (``direction`` in ``KV_TRANSFER_DIRECTIONS``)."""
+        block_counter, byte_counter, histogram = self.kv_transfer[direction]
+        block_counter.inc(blocks)
+        byte_counter.inc(nbytes)
+        histogram.observe(seconds)
 
     def observe_step(self, step: StepStats) -> None:
         self.iteration_tokens.observe(step.num_tokens)

@@ -116,7 +116,17 @@ class StatsObserver:
         if self.metrics is not None:
             self.metrics.observe_scheduling(num_preempted, output.prefix_cache_queries,
                                             output.prefix_cache_hits, len(output.divergences))
+            self.metrics.observe_offload(output.kv_offload_queries, output.kv_offload_hits)
             self.metrics.set_load(num_running, num_waiting, kv_usage)
+
+    def on_kv_transfer(self, stats) -> None:
+        """A step's KV copies (``kv_connector.TransferStats``): metrics, and a
+        ``kv_transfer`` debug event per direction."""
+        for direction, (blocks, nbytes, seconds) in stats.by_direction.items():
+            if self.metrics is not None:
+                self.metrics.observe_kv_transfer(direction, int(blocks), int(nbytes), seconds)
+            self.log.debug("kv_transfer", direction=direction, blocks=int(blocks),
+                           bytes=int(nbytes), seconds=round(seconds, 6))
 
     def on_step(self, output: SchedulerOutput, start: float, end: float,
                 times: StepTimes | None = None) -> StepStats:

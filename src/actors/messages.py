@@ -91,6 +91,16 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class AdoptBlocks:
+    """A decode replica received a prefill replica's KV blocks for a request
+    (engine -> scheduler): full prompt blocks by hash, in order; their K/V
+    wait in the worker's ``KVConnector`` until a step loads them."""
+
+    request_id: str
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
 class CapacityReport:
     """The scheduler's capacity, and requests going back (scheduler -> admission).
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from kvserve.actors.base import Actor
 from kvserve.actors.messages import (
     AbortRequest,
+    AdoptBlocks,
     CapacityReport,
     ExecuteStep,
     ReleaseRequests,
@@ -67,6 +68,12 @@ class SchedulerActor(Actor):
         self._finished: list[str] = []  # finished since the last capacity report
         self._awaiting_release = False
         self._reported: SchedulerCapacity | None = None
+        #: Called with (request id, its exported K/V or None if the export
+        #: failed) once the worker copied a prefill request's blocks out.
+        self.on_kv_export = None
+        #: The worker's ``KVConnector`` (its imports are dropped from here
+        #: when adoption queues no load for them); set by the engine.
+        self.kv_connector = None
 
     def start(self):
         """Start the run loop; admission learns the capacity before any request."""
@@ -98,8 +105,19 @@ class SchedulerActor(Actor):
             self._abort(message)
         elif isinstance(message, StepResult):
             self._on_step_result(message)
+        elif isinstance(message, AdoptBlocks):
+            self._adopt(message)
         else:
             raise TypeError(f"unexpected message {type(message).__name__}")
+
+    def _adopt(self, message: AdoptBlocks) -> None:
+        """A decode replica's imported blocks: adopt those the cache lacks;
+        if none needs loading, the import is dropped at once (no step will)."""
+        loads = self.core.adopt_blocks(message.request_id, message.block_hashes)
+        if not loads and self.kv_connector is not None:
+            self.kv_connector.drop_imports([message.request_id])
+        self.log.info("kv_blocks_adopted", request_id=message.request_id,
+                      num_blocks=len(message.block_hashes), num_loads=len(loads))
 
     def _on_release(self, message: ReleaseRequests) -> None:
         """Requests admission lets start; each that cannot be added fails alone."""
@@ -147,7 +165,7 @@ class SchedulerActor(Actor):
     def _maybe_launch_step(self) -> None:
         """Schedule and send steps until the in-flight limit or no work."""
         while (len(self._in_flight) < self.max_in_flight and not self._awaiting_release
-               and self.core.has_unfinished_requests()):
+               and (self.core.has_unfinished_requests() or self.core.has_pending_transfers())):
             t0 = time.perf_counter()
             output = self.core.schedule(self.budget.tokens(self.core.num_running))
             schedule_seconds = time.perf_counter() - t0
@@ -199,11 +217,24 @@ class SchedulerActor(Actor):
             self._emit(updates, runner_output.logprobs,
                        prompt_logprobs=runner_output.prompt_logprobs)
             self.budget.observe(output.num_batched_tokens, runner_output.forward_seconds)
+        self._finish_exports(output, runner_output)
         self._hand_back()
         if self.observer is not None:
             self.observer.on_step(output, result.start, result.end,
                                   self._step_times(step, runner_output, time.perf_counter() - t0))
         self._refresh_load()
+
+    def _finish_exports(self, output: SchedulerOutput, runner_output) -> None:
+        """Free the blocks of the step's exports and hand their K/V (None if
+        the step failed) to ``on_kv_export``; count the step's transfers."""
+        transfer = getattr(runner_output, "kv_transfer", None)
+        exported = transfer.exports if transfer is not None else {}
+        self.core.release_exports(output.kv_export_ids)
+        if self.on_kv_export is not None:
+            for request_id in output.kv_export_ids:
+                self.on_kv_export(request_id, exported.get(request_id))
+        if transfer is not None and self.observer is not None:
+            self.observer.on_kv_transfer(transfer.stats)
 
     def _hand_back(self) -> None:
         """After a step's results: every request still waiting here goes back

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from .block_hash import content_hash, hash_request_blocks
 from .kv_events import KVEventLog
+from .kv_transfer import BlockTransfer, ExternalKV
 from .outputs import PrefixCacheDivergence
 from .prefix_explainer import find_divergence
 from .request import Request
@@ -150,6 +151,12 @@ class BlockPool:
         self.enable_caching = enable_caching
         #: Where hash registrations and evictions are recorded (None: nowhere).
         self.events = events
+        #: Whether to record, as ``(block id, hash)``, the blocks registered
+        #: (``stored``) and the cached blocks evicted (``evicted``) for the
+        #: offload tier.
+        self.record_offload = False
+        self.stored: list[tuple[int, bytes]] = []
+        self.evicted: list[tuple[int, bytes]] = []
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
@@ -179,6 +186,8 @@ class BlockPool:
         new_blocks = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
+            if self.record_offload and block.block_hash is not None:
+                self.evicted.append((block.block_id, block.block_hash))
             self._evict(block)
             block.ref_cnt = 1
             new_blocks.append(block)
@@ -229,9 +238,10 @@ class BlockPool:
                     self.free_queue.append(block)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes,
-                         content: BlockContent | None = None) -> bool:
+                         content: BlockContent | None = None, computed: bool = True) -> bool:
         """Register a full, computed ``block`` under ``block_hash``, and in
-        ``content_index`` when ``content`` is given.
+        ``content_index`` when ``content`` is given. ``computed=False``: its
+        K/V come from outside (not recorded in ``stored``).
 
         Returns True if registered (or already registered under that hash);
         False when caching is off or another block already holds that hash
@@ -251,6 +261,8 @@ class BlockPool:
         self.cached[block_hash] = block
         if self.events is not None:
             self.events.stored(block_hash)
+        if self.record_offload and computed:
+            self.stored.append((block.block_id, block_hash))
         if content is not None:
             block.content = content
             by_position = self.content_index.setdefault(content.content_hash, {})
@@ -335,6 +347,9 @@ class PrefixCacheStats:
     queries: int = 0
     hits: int = 0
     divergences: int = 0
+    #: Tokens looked up in / loaded from the offload tier (after local misses).
+    external_queries: int = 0
+    external_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -373,11 +388,18 @@ class KVCacheManager:
 
     ``events``: a ``KVEventLog`` that records every hash registered and
     evicted (``kvserve.core.kv_events``), for a router's prefix index.
+
+    ``external``: the offload tier (``kv_transfer.ExternalKV``). With one,
+    the blocks registered and the cached blocks evicted are handed out by
+    ``take_offload`` (to be saved there: write-through, so that another
+    replica finds a whole prefix, as vLLM's CPU offloading and LMCache
+    store every computed block), and ``get_external_blocks`` extends a
+    prefix-cache hit with the blocks the tier holds.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  track_content_hashes: bool | None = None,
-                 events: KVEventLog | None = None) -> None:
+                 events: KVEventLog | None = None, external: ExternalKV | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -386,11 +408,15 @@ class KVCacheManager:
             track_content_hashes = enable_prefix_caching
         self.track_content_hashes = track_content_hashes and enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching, events)
+        self.external: ExternalKV | None = None
+        self.set_external(external)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         # request id -> content hashes of its first full blocks (memo, so each
         # block is content-hashed once; dropped when the request is freed)
         self.req_content_hashes: dict[str, list[bytes]] = {}
+        #: owner -> blocks ``adopt`` holds for it (see ``release_adopted``)
+        self.adopted: dict[str, list[KVCacheBlock]] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -449,6 +475,83 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def set_external(self, external: ExternalKV | None) -> None:
+        """Use ``external`` as the offload tier from now on (None: none);
+        ignored when prefix caching is off."""
+        self.external = external if self.enable_prefix_caching else None
+        self.pool.record_offload = self.external is not None
+
+    def get_external_blocks(self, request: Request, num_hit_blocks: int) -> int:
+        """How many full blocks after the request's first ``num_hit_blocks``
+        (its local prefix-cache hit) the offload tier holds, within the same
+        limit as ``get_computed_blocks`` (the last known token is computed).
+        0 without a tier or when the request takes no hits. Read-only here;
+        the scheduler counts them with ``record_external`` once admitted."""
+        if self.external is None or not self._uses_prefix_cache(request):
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if num_hit_blocks >= max_blocks:
+            return 0
+        self.update_block_hashes(request)
+        return self.external.lookup(request.block_hashes[num_hit_blocks:max_blocks])
+
+    def record_external(self, request: Request, num_hit_blocks: int, num_loaded: int) -> None:
+        """Count an admission's tier look-up (tokens): the full blocks the
+        local cache missed, and the ``num_loaded`` blocks the tier had."""
+        if self.external is None or not self._uses_prefix_cache(request):
+            return
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self.stats.external_queries += max(0, max_blocks - num_hit_blocks) * self.block_size
+        self.stats.external_hits += num_loaded * self.block_size
+
+    def take_stored(self) -> list[BlockTransfer]:
+        """The blocks registered since the last call and still under their
+        hash, to be saved in the offload tier (empty without a tier). Take
+        them *before* a step's scheduling registers more: a block registered
+        while a step is built is computed by that step, so it is saved by
+        the next one."""
+        stored, self.pool.stored = self.pool.stored, []
+        blocks = self.pool.blocks
+        return [BlockTransfer("", block_id, block_hash) for block_id, block_hash in stored
+                if blocks[block_id].block_hash == block_hash]
+
+    def take_evicted(self) -> list[BlockTransfer]:
+        """The cached blocks evicted since the last call, to be saved in the
+        offload tier before anything overwrites them (empty without a tier)."""
+        evicted, self.pool.evicted = self.pool.evicted, []
+        return [BlockTransfer("", block_id, block_hash) for block_id, block_hash in evicted]
+
+    def adopt(self, owner: str, block_hashes: Sequence[bytes]) -> list[KVCacheBlock]:
+        """Hold, for ``owner`` (a request id), a block per hash of a chain:
+        the cached block under that hash, or else a free block registered
+        under it -- one whose K/V will be written from outside (a prefill
+        replica's export). Held blocks cannot be evicted until
+        ``release_adopted(owner)``. Stops at the first hash it finds no free
+        block for; never preempts. Returns the newly registered blocks, in
+        the order of their hashes (none when caching is off)."""
+        if not self.enable_prefix_caching:
+            return []
+        held, adopted = self.adopted.setdefault(owner, []), []
+        for block_hash in block_hashes:
+            block = self.pool.get_cached_block(block_hash)
+            if block is not None:
+                self.pool.touch([block])
+            elif self.pool.num_free_blocks == 0:
+                break
+            else:
+                block = self.pool.get_new_blocks(1)[0]
+                self.pool.cache_full_block(block, block_hash, computed=False)
+                adopted.append(block)
+            held.append(block)
+        if not held:
+            del self.adopted[owner]
+        return adopted
+
+    def release_adopted(self, owner: str) -> None:
+        """Drop ``owner``'s hold on its adopted blocks (they stay cached, so
+        its admission finds them as prefix-cache hits). No-op if none."""
+        self.pool.free_blocks(reversed(self.adopted.pop(owner, ())))
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = ()
@@ -591,11 +694,11 @@ class KVCacheManager:
 
     def check_consistency(self) -> None:
         """Debug aid (O(num_blocks)): raise ``RuntimeError`` unless the ref
-        counts equal the number of block-table entries per block, free +
+        counts equal the number of block-table (and adoption) entries per block, free +
         cached-free + in-use == total, the free queue holds exactly the
         ref-0 blocks, and the hash index points only at hashed blocks."""
         expected = [0] * self.num_blocks
-        for blocks in self.req_to_blocks.values():
+        for blocks in [*self.req_to_blocks.values(), *self.adopted.values()]:
             for block in blocks:
                 expected[block.block_id] += 1
         actual = [block.ref_cnt for block in self.pool.blocks]

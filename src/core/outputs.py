@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .kv_transfer import BlockTransfer
 from .request import FinishReason, Request
 from .sampling_params import SamplingParams
 
@@ -157,8 +158,15 @@ class SchedulerOutput:
     - ``num_running`` / ``num_waiting``: queue lengths after scheduling.
     - ``divergences``: prefix-cache divergences of the requests admitted for
       the first time in this step (see ``PrefixCacheDivergence``).
-    - ``written_block_ids``: the blocks this step writes K/V into (their
-      prefix-cache hashes must go if the step fails).
+    - ``written_block_ids``: the blocks this step writes K/V into, loads
+      included (their prefix-cache hashes must go if the step fails).
+    - ``kv_saves`` / ``kv_exports`` / ``kv_loads``: blocks the runner copies
+      to the offload tier, out for a decode replica, and in from the tier or
+      an import, in that order, before the forward pass (``kv_transfer``).
+    - ``kv_export_ids``: the requests whose exports ``kv_exports`` carries
+      (one with no full block exports none, and is listed all the same).
+    - ``kv_offload_queries`` / ``kv_offload_hits``: tokens looked up in /
+      loaded from the offload tier by admissions of this step.
     """
 
     step_id: int
@@ -178,8 +186,14 @@ class SchedulerOutput:
     num_waiting: int
     divergences: tuple[PrefixCacheDivergence, ...] = ()
     written_block_ids: tuple[int, ...] = ()
+    kv_saves: tuple[BlockTransfer, ...] = ()
+    kv_exports: tuple[BlockTransfer, ...] = ()
+    kv_export_ids: tuple[str, ...] = ()
+    kv_loads: tuple[BlockTransfer, ...] = ()
+    kv_offload_queries: int = 0
+    kv_offload_hits: int = 0
 
     @property
     def is_empty(self) -> bool:
-        """True when there is nothing for the runner to compute."""
-        return not self.scheduled
+        """True when there is nothing for the runner to compute or copy."""
+        return not (self.scheduled or self.kv_saves or self.kv_export_ids or self.kv_loads)

@@ -126,6 +126,9 @@ class SamplingParams:
     - ``skip_special_tokens``: drop special tokens when detokenizing.
     - ``structured_outputs``: what the output must match (a JSON schema,
       regex, choice or grammar; ``kvserve.core.structured_outputs``), or None.
+    - ``export_kv``: engine-internal, never set from an HTTP request: the
+      prefill half of a disaggregated request, whose full prompt blocks the
+      engine copies out when it finishes (``kvserve.core.kv_transfer``).
 
     Lists are accepted for the tuple fields and normalized to tuples, so the
     object stays hashable. Raises ``ValueError`` (never ``AssertionError``)
@@ -152,6 +155,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    export_kv: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool) \

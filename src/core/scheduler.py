@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from ..config import SchedulerConfig
 from .admission_queue import SchedulerCapacity
 from .kv_cache_manager import KVCacheManager, cdiv
+from .kv_transfer import BlockTransfer
 from .outputs import (NewRequestData, PreemptionEvent, PrefixCacheDivergence, RequestUpdate,
                       ScheduledRequest, SchedulerOutput)
 from .request import FinishReason, Request, RequestStatus, check_stop
@@ -57,6 +58,10 @@ class _Step:
     preemptions: list[PreemptionEvent] = field(default_factory=list)
     rejected: list[RequestUpdate] = field(default_factory=list)
     divergences: list[PrefixCacheDivergence] = field(default_factory=list)
+    loads: list[BlockTransfer] = field(default_factory=list)
+    offload_queries: int = 0  # the tier counters when the step began
+    offload_hits: int = 0
+    stored: list[BlockTransfer] = field(default_factory=list)  # computed by earlier steps
 
     def add(self, request: Request, num_new: int) -> None:
         self.num_new[request.request_id] = num_new
@@ -93,6 +98,13 @@ class Scheduler:
         #: Requests waiting outside this scheduler (the engine's admission
         #: queue), counted in ``num_waiting`` and the outputs' ``num_waiting``.
         self.num_waiting_outside = 0
+        # KV transfers (``kv_transfer``): exports not sent to the runner yet,
+        # exports sent and holding their blocks (request id -> blocks), and
+        # loads of adopted blocks for the next step.
+        self._unsent_exports: list[BlockTransfer] = []
+        self._unsent_export_ids: list[str] = []
+        self._exporting: set[str] = set()
+        self._pending_loads: list[BlockTransfer] = []
 
     # ----------------------------------------------------------- bookkeeping
 
@@ -114,6 +126,13 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
         return bool(self.requests)
+
+    def has_pending_transfers(self) -> bool:
+        """True while KV blocks wait to be copied (exports, adopted blocks
+        to load, computed blocks to save in the offload tier): a step must
+        run even if no request computes."""
+        return bool(self._unsent_export_ids or self._pending_loads
+                    or self.kv_cache_manager.pool.stored)
 
     def get_request(self, request_id: str) -> Request | None:
         """The live (unfinished) request with this id, or None."""
@@ -175,6 +194,8 @@ class Scheduler:
         if not status.is_finished:
             raise ValueError(f"status must be a finished status, got {status}")
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:  # adopted for a request that never got here
+            self.kv_cache_manager.release_adopted(request_id)
         found = [self.requests[i] for i in dict.fromkeys(ids) if i in self.requests]
         running = {r.request_id for r in found if r.status is RequestStatus.RUNNING}
         if running:
@@ -188,10 +209,74 @@ class Scheduler:
         request.status = status
         request.error = error
         self._blocks_sent.pop(request.request_id, None)
-        self.kv_cache_manager.free(request)
+        self.kv_cache_manager.release_adopted(request.request_id)
+        if not self._export(request):
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids[request.request_id] = None
         return RequestUpdate.of(request, new_token_ids)
+
+    # ---------------------------------------------------------- KV transfer
+
+    def _export(self, request: Request) -> bool:
+        """If ``request`` asked to export its KV (``export_kv``, a prefill
+        replica's half of a disaggregated request) and finished well, queue
+        its export (``kv_export_ids``; a prompt shorter than a block exports
+        none) and its full prompt blocks for the runner to copy out, held
+        until ``release_exports``. Returns True if it holds blocks."""
+        ok = request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+        if not (request.sampling_params.export_kv and ok):
+            return False
+        manager = self.kv_cache_manager
+        manager.update_block_hashes(request)
+        num_full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
+        num_full = min(num_full, len(request.block_hashes))
+        block_ids = manager.get_block_ids(request.request_id, 0, num_full)
+        self._unsent_export_ids.append(request.request_id)
+        if not block_ids:
+            return False
+        self._unsent_exports += [BlockTransfer(request.request_id, block_id, block_hash)
+                                 for block_id, block_hash in zip(block_ids, request.block_hashes)]
+        self._exporting.add(request.request_id)
+        return True
+
+    def release_exports(self, request_ids: Iterable[str]) -> None:
+        """The runner copied these requests' exported blocks (or failed to):
+        free them. Unknown ids are ignored."""
+        for request_id in request_ids:
+            if request_id in self._exporting:
+                self._exporting.discard(request_id)
+                self.kv_cache_manager.free(request_id)
+
+    def adopt_blocks(self, request_id: str, block_hashes: Sequence[bytes]) -> list[BlockTransfer]:
+        """Adopt a prefill replica's blocks for ``request_id`` (full blocks of
+        its prompt, in order): each hash the cache lacks gets a free block,
+        registered under it; those already cached are kept. All are held
+        until the request is admitted or finished; the next step loads the
+        new blocks' K/V, so the admission finds the chain as prefix-cache
+        hits. Returns the loads queued (fewer than the hashes when blocks
+        are cached already or none is free)."""
+        blocks = self.kv_cache_manager.adopt(request_id, block_hashes)
+        loads = [BlockTransfer(request_id, b.block_id, b.block_hash) for b in blocks]
+        self._pending_loads += loads
+        return loads
+
+    def _take_transfers(self, step: _Step) -> tuple[tuple, tuple, tuple, tuple]:
+        """The step's saves (blocks computed by earlier steps, and blocks
+        evicted now), exports and loads. A pending load whose block was
+        evicted since (its request left before the load ran) is dropped,
+        and so is the save of that block: it holds nothing yet."""
+        pool = self.kv_cache_manager.pool
+        pending = [load for load in self._pending_loads
+                   if pool.blocks[load.block_id].block_hash == load.block_hash]
+        unloaded = {load.block_id for load in self._pending_loads}
+        evicted = [save for save in self.kv_cache_manager.take_evicted()
+                   if save.block_id not in unloaded]
+        saves = tuple({save.block_hash: save for save in step.stored + evicted}.values())
+        loads = tuple(pending + step.loads)
+        exports, self._unsent_exports, self._pending_loads = tuple(self._unsent_exports), [], []
+        export_ids, self._unsent_export_ids = tuple(self._unsent_export_ids), []
+        return saves, exports, export_ids, loads
 
     # -------------------------------------------------------------- schedule
 
@@ -206,7 +291,9 @@ class Scheduler:
         stats = self.kv_cache_manager.stats
         queries, hits = stats.queries, stats.hits
         budget = self.config.max_num_batched_tokens
-        step = _Step(budget=budget if token_budget is None else min(budget, token_budget))
+        step = _Step(budget=budget if token_budget is None else min(budget, token_budget),
+                     offload_queries=stats.external_queries, offload_hits=stats.external_hits,
+                     stored=self.kv_cache_manager.take_stored())
         self._schedule_running(step)
         if not step.preemptions or self.config.policy == "priority":
             self._schedule_waiting(step)
@@ -353,13 +440,20 @@ class Scheduler:
         """
         manager = self.kv_cache_manager
         hit_blocks, num_hit = manager.get_computed_blocks(request)
+        num_loaded = manager.get_external_blocks(request, len(hit_blocks))
         first = request.num_cached_tokens < 0
         divergence = manager.find_divergence(request, len(hit_blocks)) if first else None
-        num_new = min(request.num_tokens - num_hit, step.budget)
+        num_new = min(request.num_tokens - num_hit - num_loaded * self.block_size, step.budget)
         if len(self.waiting) > 1:  # others wait behind it
             num_new = self._capped(num_new)
-        if manager.allocate_slots(request, num_new, hit_blocks) is None:
+        new_blocks = manager.allocate_slots(request, num_loaded * self.block_size + num_new,
+                                            hit_blocks)
+        if new_blocks is None:
             return False
+        manager.release_adopted(request.request_id)  # its hits hold them now
+        manager.record_external(request, len(hit_blocks), num_loaded)
+        self._load(request, len(hit_blocks), new_blocks[:num_loaded], step)
+        num_hit += num_loaded * self.block_size
         self.waiting.pop()
         resumed = request.status is RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
@@ -375,6 +469,13 @@ class Scheduler:
             request.sampling_params, num_hit, resumed)
         return True
 
+    def _load(self, request: Request, first: int, blocks: Sequence, step: _Step) -> None:
+        """Queue loads from the offload tier of ``blocks``, the request's
+        blocks from index ``first`` on."""
+        hashes = request.block_hashes[first:first + len(blocks)]
+        step.loads += [BlockTransfer(request.request_id, block.block_id, block_hash)
+                       for block, block_hash in zip(blocks, hashes)]
+
     def _report_divergence(self, divergence: PrefixCacheDivergence | None, step: _Step) -> None:
         if divergence is not None:
             self.kv_cache_manager.record_divergence(divergence)
@@ -387,6 +488,8 @@ class Scheduler:
         num_batched = sum(s.num_tokens for s in scheduled)
         finished = tuple(self._finished_ids)
         self._finished_ids.clear()
+        saves, exports, export_ids, loads = self._take_transfers(step)
+        stats = self.kv_cache_manager.stats
         return SchedulerOutput(
             step_id=self._step_id, scheduled=tuple(scheduled),
             new_requests=tuple(step.new_requests.values()), finished_request_ids=finished,
@@ -396,7 +499,10 @@ class Scheduler:
             prefix_cache_queries=queries, prefix_cache_hits=hits,
             kv_cache_usage=self.kv_cache_manager.usage, num_running=len(self.running),
             num_waiting=self.num_waiting, divergences=tuple(step.divergences),
-            written_block_ids=self._written_blocks(scheduled))
+            written_block_ids=self._written_blocks(scheduled) + tuple(b.block_id for b in loads),
+            kv_saves=saves, kv_exports=exports, kv_export_ids=export_ids, kv_loads=loads,
+            kv_offload_queries=stats.external_queries - step.offload_queries,
+            kv_offload_hits=stats.external_hits - step.offload_hits)
 
     def _written_blocks(self, scheduled: list[ScheduledRequest]) -> tuple[int, ...]:
         """Block ids that the scheduled chunks write into."""

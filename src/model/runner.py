@@ -21,6 +21,7 @@ import numpy as np
 
 from kvserve.config import ModelConfig
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+from kvserve.distributed.kv_connector import KVConnector, TransferResult
 from kvserve.model.input_batch import BatchInputs, InputBatch
 from kvserve.model.llama import AttentionMetadata, LlamaModel
 from kvserve.model.ops import Ops
@@ -52,6 +53,8 @@ class ModelRunnerOutput:
     prepare_seconds: float = 0.0
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
+    #: The step's KV transfers (``kvserve.distributed.kv_connector``), or None.
+    kv_transfer: TransferResult | None = None
 
 
 class ModelRunner:
@@ -67,12 +70,15 @@ class ModelRunner:
         seed: seed of the generator shared by unseeded requests.
         structured: the matchers of requests with ``structured_outputs``
             (None: such requests run unconstrained; the engine always gives one).
+        kv_connector: copies the steps' KV transfers (offload tier, exports,
+            imports) before their forward passes; None when there are none.
     """
 
     def __init__(self, model_config: ModelConfig, model: LlamaModel, ops: Ops,
                  num_blocks: int, block_size: int,
                  logprobs_mode: str = "processed_logprobs", seed: int = 0,
-                 structured: StructuredOutputs | None = None) -> None:
+                 structured: StructuredOutputs | None = None,
+                 kv_connector: KVConnector | None = None) -> None:
         self.config = model_config
         self.model = model
         self.ops = ops
@@ -87,6 +93,7 @@ class ModelRunner:
         self.xp = getattr(ops, "xp", np)  # the array module of the backend's arrays
         self._generator = np.random.default_rng(seed)
         self.structured = structured
+        self.kv_connector = kv_connector
         #: Requests of a failed step: the step scheduled behind it (async
         #: scheduling) may still hold them; they are skipped until the
         #: scheduler reports them finished.
@@ -103,14 +110,18 @@ class ModelRunner:
             return self._execute(scheduler_output)
         except Exception:
             self._drop_failed(scheduler_output)
+            if self.kv_connector is not None:
+                self.kv_connector.poison(scheduler_output.written_block_ids)
             raise
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t_start = time.perf_counter()
+        transfer = (self.kv_connector.run(self.kv_caches, scheduler_output)
+                    if self.kv_connector is not None else None)
         self._update_states(scheduler_output)
         scheduled = [c for c in scheduler_output.scheduled if c.request_id not in self._failed]
         if not scheduled:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(kv_transfer=transfer)
         batch = self.input_batch.build(scheduled)
         num_sampled = len(batch.sample_ids)
         constrained = self.structured.rows(batch.sample_ids) if self.structured else []
@@ -127,6 +138,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         self._gather_prompt_logprobs(prompt_rows, hidden[num_sampled:])
         output = self._sample(batch, logits)
+        output.kv_transfer = transfer
         output.prepare_seconds = t0 - t_start
         output.forward_seconds, output.sample_seconds = t1 - t0, time.perf_counter() - t1
         return output
