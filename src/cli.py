@@ -17,21 +17,24 @@ from kvserve.config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineC
                             SchedulerConfig, ServerConfig, parse_size)
 
 
-def _positive(kind: type) -> Callable[[str], int | float]:
-    """An argparse type: a number > 0 of ``kind`` (a clear usage error otherwise)."""
+def _positive(kind: type, allow_zero: bool = False) -> Callable[[str], int | float]:
+    """An argparse type: a number > 0 (>= 0 with ``allow_zero``; never NaN) of
+    ``kind`` (a clear usage error otherwise)."""
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if value < 0 or (value == 0 and not allow_zero) or value != value:
+            raise argparse.ArgumentTypeError(f"must be {'>=' if allow_zero else '>'} 0, "
+                                             f"got {text}")
         return value
-    parse.__name__ = f"positive {kind.__name__}"
+    parse.__name__ = f"{'non-negative' if allow_zero else 'positive'} {kind.__name__}"
     return parse
 
 
 POSITIVE_INT, POSITIVE_FLOAT = _positive(int), _positive(float)
+NON_NEGATIVE_FLOAT = _positive(float, allow_zero=True)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -57,6 +60,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=POSITIVE_INT, default=16, help="tokens per KV block")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false", help="turn automatic prefix caching off")
+    p.add_argument("--kv-offloading-size", type=NON_NEGATIVE_FLOAT, default=0.0, metavar="GIB",
+                   help="GiB of host shared memory for a KV offload tier: evicted prefix "
+                        "blocks go there and are loaded back instead of recomputed; shared "
+                        "by the data-parallel replicas of a node (default 0: none)")
     p.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=None,
                    help="token budget of one step (prefill chunks + decodes); default 128 on "
                         "the CPU backend (keeps decodes flowing while long prompts prefill), "
@@ -122,7 +129,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling)
     cache = CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        enable_prefix_caching=args.enable_prefix_caching)
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        kv_offloading_size=args.kv_offloading_size)
     return EngineConfig(model=model, backend=args.backend, dtype=args.dtype,
                         quantization=args.quantization, cache=cache,
                         scheduler=scheduler,
@@ -161,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["prefix", "round_robin"],
                        help="prefix: the replica holding the longest cached prefix unless "
                             "overloaded, else the least loaded; round_robin: in turn")
+    serve.add_argument("--prefill-replicas", type=POSITIVE_INT, default=None,
+                       help="disaggregated prefill/decode: replicas that only prefill and hand "
+                            "the KV blocks to a decode replica (with --decode-replicas)")
+    serve.add_argument("--decode-replicas", type=POSITIVE_INT, default=None,
+                       help="disaggregated prefill/decode: replicas that adopt the prefilled "
+                            "blocks and decode (with --prefill-replicas)")
     serve.add_argument("--ray-address", default=None,
                        help="an existing Ray cluster (default: a local Ray started with no "
                             "set-up)")
@@ -255,6 +269,7 @@ async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     from kvserve.metrics import metrics_route
 
     api_key = resolve_api_key(args, os.environ)  # before minutes of loading, not after
+    _resolve_replica_roles(args)
     if args.data_parallel_size > 1:
         engine, metrics = await _start_replicas(args, engine_config)
     else:
@@ -308,6 +323,22 @@ def _die(message: str) -> None:
     raise SystemExit(2)
 
 
+def _resolve_replica_roles(args: argparse.Namespace) -> None:
+    """``--prefill-replicas P --decode-replicas D`` means P + D replicas;
+    one without the other, or a ``--data-parallel-size`` that is not P + D,
+    is an error."""
+    prefill, decode = args.prefill_replicas, args.decode_replicas
+    if prefill is None and decode is None:
+        args.prefill_replicas = 0
+        return
+    if prefill is None or decode is None:
+        _die("--prefill-replicas and --decode-replicas go together")
+    if args.data_parallel_size not in (1, prefill + decode):
+        _die(f"--data-parallel-size {args.data_parallel_size} is not --prefill-replicas "
+             f"{prefill} + --decode-replicas {decode}")
+    args.data_parallel_size = prefill + decode
+
+
 async def _start_replicas(args: argparse.Namespace, config: EngineConfig):
     """``--data-parallel-size`` replicas on Ray, and the ``/metrics`` route
     that labels each replica's samples ``replica="i"``."""
@@ -320,7 +351,8 @@ async def _start_replicas(args: argparse.Namespace, config: EngineConfig):
     client = await DataParallelClient.start(
         config, args.data_parallel_size, ray_address=args.ray_address,
         model_name=args.served_model_name, request_timeout=args.request_timeout,
-        stats_interval=args.stats_interval, routing=args.data_parallel_routing)
+        stats_interval=args.stats_interval, routing=args.data_parallel_routing,
+        prefill_replicas=args.prefill_replicas)
 
     async def metrics(request) -> Response:
         return Response(await client.metrics_text(), media_type=CONTENT_TYPE_LATEST)

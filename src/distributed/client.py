@@ -9,6 +9,22 @@ process keeps HTTP, a tokenizer (to hash prompts for routing, and for
 ``POLL_INTERVAL`` seconds it reads each replica's load and KV events, and it
 sends each request to the replica with the longest cached prefix unless that
 one is overloaded. Each routing decision is a ``request_routed`` log event.
+
+Disaggregated prefill/decode (``--prefill-replicas P --decode-replicas D``):
+the first P replicas only prefill. A request first runs there with
+``max_tokens`` 1 and ``export_kv``; the replica returns its full prompt
+blocks' hashes, and their K/V stay in Ray's object store (shared memory on
+one node; pulled over the network by a decode replica on another node).
+The request then runs on a decode replica, which adopts the blocks, finds
+them as prefix-cache hits and computes only the prompt's last partial
+block before decoding. A prefill that fails for want of a replica falls
+back to a decode replica computing everything; a refusal (a 4xx) ends the
+request. Requests with ``n > 1`` or ``prompt_logprobs`` go straight to a
+decode replica.
+
+The KV offload tier (``--kv-offloading-size``): this process creates it in
+shared memory (``kvserve.distributed.host_tier``) and every replica of the
+node attaches to it, so a prefix one replica evicted is loaded by any.
 """
 
 from __future__ import annotations
@@ -26,6 +42,7 @@ from kvserve.actors.messages import (GenerateRequest, RequestAccepted, RequestFa
 from kvserve.actors.stream import RequestStream
 from kvserve.config import EngineConfig
 from kvserve.core.router import PrefixAwareRouter, ReplicaLoad
+from kvserve.distributed.host_tier import SharedHostTier
 from kvserve.distributed.replica import EngineReplica
 from kvserve.model.tokenizer import Tokenizer
 
@@ -54,10 +71,16 @@ class DataParallelClient:
     """
 
     def __init__(self, replicas: list, infos: list[dict], tokenizer: Tokenizer,
-                 routing: str = "prefix") -> None:
+                 routing: str = "prefix", prefill_replicas: int = 0) -> None:
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {routing!r}")
+        if not 0 <= prefill_replicas < len(replicas):
+            raise ValueError(f"prefill_replicas must leave a decode replica: {prefill_replicas} "
+                             f"of {len(replicas)}")
         self.routing = routing
+        #: Replica i only prefills when ``i < num_prefill`` (0: no disaggregation).
+        self.num_prefill = prefill_replicas
+        self.tier: SharedHostTier | None = None  # the offload tier this process made
         self._next = 0  # round robin's next replica
         self.replicas = replicas
         self.tokenizer = tokenizer
@@ -77,9 +100,11 @@ class DataParallelClient:
     async def start(cls, config: EngineConfig, num_replicas: int, *,
                     ray_address: str | None = None, model_name: str | None = None,
                     request_timeout: float | None = None, stats_interval: float = 10.0,
-                    routing: str = "prefix") -> DataParallelClient:
+                    routing: str = "prefix", prefill_replicas: int = 0) -> DataParallelClient:
         """Start Ray (locally unless ``ray_address``), then the replicas, in
-        parallel; returns when every replica has loaded its model."""
+        parallel; returns when every replica has loaded its model (and
+        attached the offload tier, when ``config.cache`` asks for one). The
+        first ``prefill_replicas`` replicas only prefill."""
         for name, value in RAY_LOG_ENV.items():  # read when ray is first imported
             os.environ.setdefault(name, value)
         import ray
@@ -88,20 +113,38 @@ class DataParallelClient:
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
         threads = config.num_threads or max(1, int(ray.available_resources().get("CPU", 1))
                                             // num_replicas)
-        config = replace(config, num_threads=threads)
+        tier_bytes = int(config.cache.kv_offloading_size * 2**30)
+        config = replace(config, num_threads=threads,
+                         cache=replace(config.cache, kv_offloading_size=0.0))
         # Ray restarts a dead replica's process; the poll loop then starts its engine again
         actor = ray.remote(num_cpus=threads, max_restarts=-1, max_task_retries=0)(EngineReplica)
         replicas = [actor.remote(i, config, model_name, request_timeout, stats_interval)
                     for i in range(num_replicas)]
         infos = await asyncio.gather(*(r.start.remote() for r in replicas))
         for i, info in enumerate(infos):
-            log.info("replica_started", replica=i, num_threads=threads, **info,
+            role = ("prefill" if i < prefill_replicas else "decode") if prefill_replicas else "both"
+            log.info("replica_started", replica=i, num_threads=threads, role=role, **info,
                      message=f"Replica {i}: {info['num_kv_tokens']:,} KV tokens, "
-                             f"{threads} CPU thread(s)")
-        client = cls(replicas, infos, Tokenizer(Path(config.model)), routing)
+                             f"{threads} CPU thread(s), role {role}")
+        client = cls(replicas, infos, Tokenizer(Path(config.model)), routing, prefill_replicas)
+        if tier_bytes:
+            await client._share_offload_tier(tier_bytes)
         client._poller = asyncio.create_task(client._poll_loop(), name="replica-poller")
         client._ready = True
         return client
+
+    async def _share_offload_tier(self, size_bytes: int) -> None:
+        """Create the node's offload tier for the replicas' block layout and
+        attach every replica to it. A replica that cannot (another node:
+        the file is not there) runs without one."""
+        layout = await self.replicas[0].kv_layout.remote()
+        self.tier = SharedHostTier.create(size_bytes, layout["block_shape"], layout["dtype"],
+                                          layout["fingerprint"])
+        results = await asyncio.gather(*(r.attach_offload_tier.remote(str(self.tier.path))
+                                         for r in self.replicas), return_exceptions=True)
+        for i, result in enumerate(results):
+            if isinstance(result, BaseException):
+                log.warning("offload_tier_unreachable", replica=i, error=repr(result))
 
     def is_ready(self) -> bool:
         """True while accepting requests and at least one replica is up."""
@@ -130,13 +173,17 @@ class DataParallelClient:
         500 error event."""
         rid, tried, progress = request.request_id, set(), _Progress()
         try:
+            kv = await self._prefill(request) if self._disaggregated(request) else None
+            if isinstance(kv, RequestFailed):
+                stream.put(kv)
+                return
             while True:
-                replica = await self._route(request, exclude=tried)
+                replica = await self._route(request, exclude=tried, role="decode")
                 if replica is None:
                     stream.put(RequestFailed(rid, 503, "No replica is available.",
                                              type="service_unavailable"))
                     return
-                if await self._relay_from(replica, request, stream, progress):
+                if await self._relay_from(replica, request, stream, progress, kv):
                     return
                 tried.add(replica)
                 if progress.streamed:
@@ -147,8 +194,51 @@ class DataParallelClient:
         finally:
             self._forget(rid)
 
+    def _disaggregated(self, request: GenerateRequest) -> bool:
+        """Whether ``request`` goes through a prefill replica first."""
+        params = request.sampling_params
+        return self.num_prefill > 0 and params.n == 1 and params.prompt_logprobs is None
+
+    async def _prefill(self, request: GenerateRequest) -> list | RequestFailed | None:
+        """Run the prefill half on a prefill replica: ``[block_hashes, ref
+        of their K/V]`` for the decode replica, the replica's refusal (a
+        4xx ``RequestFailed``), or None when no prefill replica could do it
+        (the decode replica then computes the prompt itself)."""
+        from ray.exceptions import RayActorError
+
+        rid = request.request_id
+        replica = await self._route(request, exclude=set(), role="prefill")
+        if replica is None:
+            return None
+        params = replace(request.sampling_params, max_tokens=1, min_tokens=0, logprobs=None,
+                         stop=(), stop_token_ids=(), structured_outputs=None, export_kv=True)
+        self._placement[rid] = (replica, self._placement[rid][1])
+        self._in_flight[replica] += 1
+        try:
+            info_ref, data_ref = self.replicas[replica].prefill.options(num_returns=2).remote(
+                replace(request, sampling_params=params, stream=None))
+            info = await info_ref
+        except RayActorError as exc:
+            self._mark_down(replica, exc)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the decode replica computes it instead
+            log.error("prefill_failed", replica=replica, request_id=rid, error=repr(exc))
+            return None
+        finally:
+            self._in_flight[replica] -= 1
+        failure = info.get("failure")
+        if failure is not None and 400 <= failure.status < 500:
+            return failure
+        if "block_hashes" not in info:
+            log.warning("prefill_failed", replica=replica, request_id=rid, error=info.get("error"))
+            return None
+        log.info("request_prefilled", request_id=rid, replica=replica,
+                 num_blocks=len(info["block_hashes"]), kv_bytes=info["bytes"],
+                 seconds=round(info["seconds"], 6))
+        return [info["block_hashes"], data_ref] if info["block_hashes"] else None
+
     async def _relay_from(self, replica: int, request: GenerateRequest, stream: RequestStream,
-                          progress: _Progress) -> bool:
+                          progress: _Progress, kv: list | None = None) -> bool:
         """Relay one replica's events; False when the replica died. A
         non-streaming request's events are held until the replica is done
         with it, so that a retry after a death starts from a clean slate
@@ -161,7 +251,7 @@ class DataParallelClient:
         held: list = []
         try:
             async for ref in self.replicas[replica].generate.options(
-                    num_returns="streaming").remote(request):
+                    num_returns="streaming").remote(request, kv):
                 event = await ref
                 if request.stream is False:
                     held.append(event)
@@ -186,10 +276,13 @@ class DataParallelClient:
         self._placement.pop(request_id, None)
         self._streams.pop(request_id, None)
 
-    async def _route(self, request: GenerateRequest, exclude: set[int]) -> int | None:
-        """The replica for ``request`` among those up and not in ``exclude``
-        (None when there is none)."""
-        available = [up and i not in exclude for i, up in enumerate(self.up)]
+    async def _route(self, request: GenerateRequest, exclude: set[int],
+                     role: str = "decode") -> int | None:
+        """The replica for ``request`` among those up, not in ``exclude``
+        and of ``role`` (``prefill`` or ``decode``; without disaggregation
+        every replica decodes). None when there is none."""
+        available = [up and i not in exclude and (i < self.num_prefill) == (role == "prefill")
+                     for i, up in enumerate(self.up)]
         if not any(available):
             return None
         if self.routing == "round_robin":
@@ -199,6 +292,7 @@ class DataParallelClient:
                  for load, n in zip(self.loads, self._in_flight)]
         decision = self.router.route(tokens, loads, available)
         log.info("request_routed", request_id=request.request_id, replica=decision.replica,
+                 role=role if self.num_prefill else "both",
                  reason=decision.reason, cached_blocks=decision.cached_blocks,
                  prefix_replica=decision.prefix_replica, prefix_blocks=decision.prefix_blocks)
         return decision.replica
@@ -272,6 +366,8 @@ class DataParallelClient:
     async def _restart(self, replica: int) -> None:
         try:
             info = await self.replicas[replica].start.remote()
+            if self.tier is not None:
+                await self.replicas[replica].attach_offload_tier.remote(str(self.tier.path))
             self.up[replica] = True
             log.info("replica_restarted", replica=replica, pid=info["pid"],
                      message=f"Replica {replica} is serving again")
@@ -318,6 +414,8 @@ class DataParallelClient:
             self._poller.cancel()
         await asyncio.gather(*(r.shutdown.remote() for r in self.replicas),
                              return_exceptions=True)
+        if self.tier is not None:
+            self.tier.unlink()
 
 
 class _Progress:

@@ -1,7 +1,10 @@
 """EngineReplica: one ``AsyncEngine`` inside a Ray actor process.
 
 The API process calls it over Ray: ``generate`` is an async generator that
-Ray streams back event by event (``num_returns="streaming"``), ``poll``
+Ray streams back event by event (``num_returns="streaming"``); on a decode
+replica it first adopts the KV blocks that ``prefill`` exported on a
+prefill replica (disaggregated prefill/decode), which reach it through
+Ray's object store; ``poll``
 returns the replica's load and the KV events since the last poll (for the
 router's prefix index), ``metrics_text`` its Prometheus registry. Ray runs
 the actor's coroutines on one event loop, the engine's own.
@@ -10,9 +13,10 @@ the actor's coroutines on one event loop, the engine's own.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator
 
-from kvserve.actors.messages import GenerateRequest, StreamEvent
+from kvserve.actors.messages import GenerateRequest, RequestFailed, RequestOutput, StreamEvent
 from kvserve.config import EngineConfig
 from kvserve.core.kv_events import KVEvent, KVEventLog
 from kvserve.core.router import ReplicaLoad
@@ -57,9 +61,53 @@ class EngineReplica:
                 "num_kv_tokens": plan.num_tokens, "model_name": self.engine.model_name,
                 "pid": os.getpid()}
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
+    def attach_offload_tier(self, path: str) -> None:
+        """Share the node's KV offload tier at ``path`` (the client made it)."""
+        self.engine.attach_offload_tier(path)
+
+    def kv_layout(self) -> dict:
+        """What an offload tier for this engine must hold: one block's shape,
+        its dtype and the model fingerprint."""
+        connector = self.engine.core.runner.kv_connector
+        return {"block_shape": connector.block_shape, "dtype": connector.dtype.str,
+                "fingerprint": connector.fingerprint}
+
+    async def prefill(self, request: GenerateRequest) -> tuple[dict, object]:
+        """The prefill half of a disaggregated request (its sampling params
+        have ``export_kv`` and ``max_tokens`` 1): compute the prompt, then
+        return ``(info, data)``. ``info`` has ``block_hashes`` and
+        ``seconds`` (or ``failure``, a ``RequestFailed``, or ``error``);
+        ``data`` is the blocks' K/V (``[num_blocks, *block_shape]``) or
+        None. Called with ``num_returns=2``, so the K/V stay in Ray's object
+        store until the decode replica reads them."""
+        t0 = time.perf_counter()
+        rid = request.request_id
+        future = self.engine.expect_kv_export(rid)
+        failure, finished = None, False
+        async for event in self.generate(request):
+            if isinstance(event, RequestFailed):
+                failure = event
+            elif isinstance(event, RequestOutput) and event.finish_reason in ("length", "stop"):
+                finished = True
+        if not finished:
+            self.engine.forget_kv_export(rid)
+            return {"failure": failure, "error": "the prefill did not finish"}, None
+        exported = await future
+        if exported is None:
+            return {"error": "the KV export failed"}, None
+        return ({"block_hashes": exported.block_hashes, "bytes": int(exported.data.nbytes),
+                 "seconds": time.perf_counter() - t0}, exported.data)
+
+    async def generate(self, request: GenerateRequest,
+                       kv: list | None = None) -> AsyncIterator[StreamEvent]:
         """The request's events, as the engine's stream gives them; the
-        request is aborted when the caller stops reading (Ray cancels us)."""
+        request is aborted when the caller stops reading (Ray cancels us).
+        ``kv``: ``[block_hashes, ObjectRef of their K/V]`` from a prefill
+        replica's ``prefill``; the blocks are adopted before the request
+        starts (the reference is in a list so that Ray hands it over
+        unresolved and the fetch is timed here)."""
+        if kv is not None:
+            await self._import(request.request_id, kv[0], kv[1])
         stream = self.engine.generate(request)
         try:
             async for event in stream:
@@ -67,6 +115,13 @@ class EngineReplica:
         finally:
             if not stream.all_finished:
                 await self.engine.abort(request.request_id)
+
+    async def _import(self, request_id: str, block_hashes, ref) -> None:
+        t0 = time.perf_counter()
+        data = await ref
+        self.engine.metrics.observe_kv_transfer("fetch", len(block_hashes), int(data.nbytes),
+                                                time.perf_counter() - t0)
+        self.engine.import_kv(request_id, block_hashes, data)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request (its client left)."""

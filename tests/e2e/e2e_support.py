@@ -241,6 +241,18 @@ class LiveServer(ServerProcess):
         assert self.proc.poll() is None, (
             f"kvserve serve died (exit {self.proc.returncode}):\n{self.log_tail()}")
 
+    def log_events(self, name: str) -> list[dict]:
+        """The JSON log events named ``name`` the server (or its replicas) wrote so far."""
+        found = []
+        for line in self.stderr_path.read_text().splitlines():
+            try:
+                event = json.loads(line[line.index("{"):])
+            except ValueError:
+                continue
+            if event.get("event") == name:
+                found.append(event)
+        return found
+
 @dataclass
 class SSEResult:
     """A parsed SSE response."""

@@ -11,7 +11,6 @@ accepted only at a near-tie of the top-2 logits (``first_divergence``).
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
@@ -74,20 +73,8 @@ def test_two_replicas_serve_the_golden_prompts_as_one_engine(dp_server, live_ser
         top2 = [min(a, b, key=lambda t: t[0] - t[1]) for a, b in zip(got_top2, ref_top2)]
         if first_divergence(ref_tokens, got_tokens, top2, case.get("name", "case")) is None:
             assert ref.get("text", ref.get("message")) == got.get("text", got.get("message"))
-    routed = routed_events(dp_server)
+    routed = dp_server.log_events("request_routed")
     assert {e["replica"] for e in routed} == {0, 1}, "test precondition: both replicas served"
-
-
-def routed_events(server: LiveServer) -> list[dict]:
-    events = []
-    for line in server.stderr_path.read_text().splitlines():
-        try:
-            event = json.loads(line[line.index("{"):])
-        except ValueError:
-            continue
-        if event.get("event") == "request_routed":
-            events.append(event)
-    return events
 
 
 def test_a_repeated_long_prefix_lands_on_one_replica_and_hits_its_cache(dp_server):
@@ -104,7 +91,7 @@ def test_a_repeated_long_prefix_lands_on_one_replica_and_hits_its_cache(dp_serve
             assert response.status_code == 200, response.text
             cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
             ids.append(rid)
-    routed = {e["request_id"]: e for e in routed_events(dp_server)}
+    routed = {e["request_id"]: e for e in dp_server.log_events("request_routed")}
     replicas = {routed[rid]["replica"] for rid in ids}
     assert len(replicas) == 1, [routed[rid] for rid in ids]
     assert all(routed[rid]["reason"] == "prefix" for rid in ids[1:])
@@ -119,12 +106,9 @@ def test_metrics_carry_a_replica_label(dp_server):
 
 
 def replica_pids(server: LiveServer) -> dict[int, int]:
-    pids = {}
-    for line in server.stderr_path.read_text().splitlines():
-        if "replica_started" in line or "replica_restarted" in line:
-            event = json.loads(line[line.index("{"):])
-            pids[event["replica"]] = event["pid"]
-    return pids
+    """Each replica's latest pid (a restart logs the new one)."""
+    events = server.log_events("replica_started") + server.log_events("replica_restarted")
+    return {event["replica"]: event["pid"] for event in events}
 
 
 async def wait_running(client: httpx.AsyncClient, at_least: int, within: float = 60) -> None:

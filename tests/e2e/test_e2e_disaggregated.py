@@ -1,0 +1,99 @@
+"""Acceptance (issue 16, disaggregated prefill/decode and the offload tier,
+over Ray): ``kvserve serve --prefill-replicas 1 --decode-replicas 1
+--kv-offloading-size ...`` serves the golden prompts with the outputs of one
+engine, each request prefilled on replica 0 and decoded on replica 1 from
+the adopted blocks; both replicas free every block; both attach the tier
+the API process created; a prompt the prefill replica refuses gets its 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from e2e_support import GOLDEN, SERVER_MAX_MODEL_LEN, LiveServer, first_divergence
+from test_e2e_data_parallel import ask_all, tokens_and_top2
+
+from kvserve.metrics import parse_metrics_text
+
+pytestmark = pytest.mark.model
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def pd_server(default_model_path, tmp_path_factory):
+    server = LiveServer(default_model_path, tmp_path_factory.mktemp("kvserve-pd"),
+                        extra_args=["--max-model-len", str(SERVER_MAX_MODEL_LEN),
+                                    "--prefill-replicas", "1", "--decode-replicas", "1",
+                                    "--kv-offloading-size", "0.05", "--stats-interval", "0"])
+    yield server
+    server.stop()
+
+
+def test_disaggregated_requests_give_one_engines_outputs(pd_server, live_server):
+    cases = [p.values[0]["case"] for p in GOLDEN if p.values[0] is not None]
+    assert cases, "the golden cases are required"
+    one = asyncio.run(ask_all(live_server.base_url, cases))
+    two = asyncio.run(ask_all(pd_server.base_url, cases))
+    for case, ref, got in zip(cases, one, two, strict=True):
+        ref_tokens, ref_top2 = tokens_and_top2(ref)
+        got_tokens, got_top2 = tokens_and_top2(got)
+        top2 = [min(a, b, key=lambda t: t[0] - t[1]) for a, b in zip(got_top2, ref_top2)]
+        if first_divergence(ref_tokens, got_tokens, top2, case.get("name", "case")) is None:
+            assert ref.get("text", ref.get("message")) == got.get("text", got.get("message"))
+    prefilled = pd_server.log_events("request_prefilled")
+    assert len(prefilled) >= len(cases) and {e["replica"] for e in prefilled} == {0}
+    decoded = [e for e in pd_server.log_events("request_routed") if e.get("role") == "decode"]
+    assert {e["replica"] for e in decoded} == {1}
+
+
+def test_the_decode_replica_reports_the_adopted_blocks_as_cached(pd_server):
+    prompt = "Disaggregated serving test. " + "The library opens at nine and closes at six. " * 6
+    with httpx.Client(base_url=pd_server.base_url, timeout=300) as client:
+        response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4,
+                                                         "temperature": 0})
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        full_blocks = usage["prompt_tokens"] // BLOCK * BLOCK
+        if full_blocks == usage["prompt_tokens"]:
+            full_blocks -= BLOCK  # the last prompt token is always computed
+        assert usage["prompt_tokens_details"]["cached_tokens"] == full_blocks
+        streamed = client.post("/v1/completions", json={
+            "prompt": "A streamed disaggregated request: " + prompt, "max_tokens": 4,
+            "temperature": 0, "stream": True})
+        assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+
+
+def test_both_replicas_free_every_block_and_count_the_transfer(pd_server):
+    with httpx.Client(base_url=pd_server.base_url, timeout=300) as client:
+        deadline = time.monotonic() + 60
+        while True:
+            samples = parse_metrics_text(client.get("/metrics").text)
+            usage = {labels["replica"]: value
+                     for labels, value in samples["kvserve:kv_cache_usage_perc"]}
+            if usage == {"0": 0.0, "1": 0.0}:
+                break
+            assert time.monotonic() < deadline, usage
+            time.sleep(0.1)
+    moved = {(labels["replica"], labels["direction"]): value
+             for labels, value in samples["kvserve:kv_transfer_bytes_total"]}
+    # every exported block was fetched; those the decode cache held already were not loaded
+    assert moved[("1", "fetch")] == moved[("0", "export")] > 0
+    assert 0 < moved[("1", "import")] <= moved[("0", "export")]
+
+
+def test_both_replicas_attach_the_tier_the_api_process_made(pd_server):
+    tiers = pd_server.log_events("kv_offload_tier")
+    assert len(tiers) == 2 and {t["created"] for t in tiers} == {False}
+    assert len({t["path"] for t in tiers}) == 1
+
+
+def test_a_prompt_the_prefill_replica_refuses_gets_a_400(pd_server):
+    with httpx.Client(base_url=pd_server.base_url, timeout=300) as client:
+        response = client.post("/v1/completions", json={
+            "prompt": "word " * (SERVER_MAX_MODEL_LEN + 100), "max_tokens": 4})
+    assert response.status_code == 400, response.text
+    assert "max_model_len" in response.text or "context" in response.text
