@@ -24,12 +24,14 @@ import json
 import os
 import sys
 
+import httpx
 import numpy as np
 
 from kvserve.bench.replay import run_replay, summarize_all
 from kvserve.bench.server import ServerProcess
 from kvserve.bench.trace import TraceRequest
 from kvserve.bench.workload import synth_text
+from kvserve.metrics import parse_metrics_text
 from kvserve.model.default_model import ensure_default_model
 
 CONFIGS = {"aggregated": ["--data-parallel-size", "2"],
@@ -51,6 +53,17 @@ def trace(args: argparse.Namespace) -> list[TraceRequest]:
     return sorted(requests, key=lambda r: r.arrival_s)
 
 
+def transfers(base_url: str) -> dict[str, tuple[float, float]]:
+    """``{direction: (MiB, seconds)}`` of the replicas' KV transfers (``/metrics``)."""
+    samples = parse_metrics_text(httpx.get(f"{base_url}/metrics", timeout=30).text)
+    out: dict[str, list[float]] = {}
+    for name, index, scale in (("kvserve:kv_transfer_bytes_total", 0, 2**20),
+                               ("kvserve:kv_transfer_seconds_sum", 1, 1)):
+        for labels, value in samples.get(name, []):
+            out.setdefault(labels["direction"], [0.0, 0.0])[index] += value / scale
+    return {d: (round(mib, 1), round(sec, 3)) for d, (mib, sec) in out.items() if mib}
+
+
 def measure(name: str, args: argparse.Namespace) -> dict:
     server = ServerProcess(["--model", str(ensure_default_model()), *CONFIGS[name],
                             "--max-model-len", str(args.long_tokens + 256),
@@ -59,6 +72,7 @@ def measure(name: str, args: argparse.Namespace) -> dict:
         load_before = os.getloadavg()[0]
         results, duration = asyncio.run(run_replay(trace(args), server.base_url,
                                                    endpoint="completions", progress=False))
+        moved = transfers(server.base_url)
     finally:
         server.stop()
     summary = summarize_all(results, duration)
@@ -68,7 +82,7 @@ def measure(name: str, args: argparse.Namespace) -> dict:
             "short_ttft_p50_ms": short["ttft_ms"]["median"],
             "long_ttft_p50_ms": long_["ttft_ms"]["median"],
             "output_throughput": summary["overall"]["output_throughput"],
-            "duration_s": duration, "load_before": load_before,
+            "duration_s": duration, "kv_transfers_mib_s": moved, "load_before": load_before,
             "load_after": os.getloadavg()[0]}
 
 
@@ -103,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['output_throughput']:.1f} | {r['failed']} | "
               f"{r['load_before']:.1f} -> {r['load_after']:.1f} |")
     agg, dis = rows
-    print(f"\nshort ITL p99 disaggregated / aggregated: "
+    print("\nKV moved (MiB, seconds) by direction, disaggregated: "
+          + ", ".join(f"{d} {m:,.1f} MiB in {t:.3f} s"
+                      for d, (m, t) in dis["kv_transfers_mib_s"].items()))
+    print(f"short ITL p99 disaggregated / aggregated: "
           f"{dis['short_itl_p99_ms'] / agg['short_itl_p99_ms']:.2f}; output throughput: "
           f"{dis['output_throughput'] / agg['output_throughput']:.2f}x")
     return 0 if not (agg["failed"] or dis["failed"]) else 1

@@ -110,13 +110,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--prefix-tokens", type=int, default=2000)
-    parser.add_argument("--evict-tokens", type=int, default=2400)
+    parser.add_argument("--evict-tokens", type=int, default=2450)
     parser.add_argument("--output-tokens", type=int, default=8,
                         help="tokens of the greedy text compared across configurations")
-    parser.add_argument("--kv-cache-memory", default="144MiB",
-                        help="about 3,200 tokens of the default model: the evictor's "
-                             "blocks take most of the prefix's")
-    parser.add_argument("--max-model-len", type=int, default=3072)
+    parser.add_argument("--kv-cache-memory", default="112MiB",
+                        help="2,548 tokens of the default model: the evictor's blocks take "
+                             "(nearly) all of the prefix's")
+    parser.add_argument("--max-model-len", type=int, default=2540)
     parser.add_argument("--tier-gib", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
