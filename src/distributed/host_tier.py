@@ -225,6 +225,13 @@ class SharedHostTier:
                 count += 1
         return count
 
+    def clear(self) -> None:
+        """Forget every block (slots become empty; leases are dropped)."""
+        with self._locked():
+            self._meta[:, 0] = _EMPTY
+            self._meta[:, 1] += 1  # a read in progress sees its block overwritten
+            self._times[:] = 0.0
+
     # ---------------------------------------------------------------- store
 
     def store(self, block_hashes: Sequence[bytes],

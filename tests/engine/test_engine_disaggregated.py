@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine_harness import BLOCK, TEXTS, full_block_tokens, greedy
+from kvserve.config import SchedulerConfig
 
 pytestmark = pytest.mark.model
 
@@ -16,9 +17,9 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def decode_engine(engine_loop):
-    handle = engine_loop.start(engine_loop.config())
-    yield handle
-    engine_loop.stop(handle)
+    """The shared 16-token-budget engine: adopts the blocks, computes the
+    prompt's last partial block in one chunk."""
+    return engine_loop.get(scheduler=SchedulerConfig(max_num_batched_tokens=16))
 
 
 def disaggregated(prefill, decode, prompt, max_tokens=MAX_TOKENS):

@@ -58,19 +58,20 @@ def test_evicted_prefix_is_loaded_from_the_tier_with_the_same_output(offload_eng
     offload_engine.assert_all_blocks_free()
 
 
-def test_a_tier_too_small_for_the_prefix_means_recompute(engine_loop, no_prefix_engine):
-    handle = engine_loop.start(engine_loop.config(cache=offload_cache(tier_blocks=2)))
-    try:
-        prefix, evictor = prompts(handle)
-        reference = no_prefix_engine.generate(prefix, greedy(MAX_TOKENS)).only.token_ids
-        handle.generate(prefix, greedy(MAX_TOKENS))
-        handle.generate(evictor, greedy(1))  # the tier keeps 2 blocks, not the chain's first
-        again = handle.generate(prefix, greedy(MAX_TOKENS)).only
-        assert again.token_ids == reference
-        assert handle.kv.stats.external_hits == 0
-        handle.assert_all_blocks_free()
-    finally:
-        engine_loop.stop(handle)
+def test_blocks_the_tier_lost_are_recomputed_with_the_same_output(offload_engine,
+                                                                  no_prefix_engine):
+    prefix = offload_engine.encode("Lost tier. " + TEXTS["long_prefix"])
+    evictor = offload_engine.encode("Third eviction. " + TEXTS["chunked"] * 2)[:20 * BLOCK]
+    reference = no_prefix_engine.generate(prefix, greedy(MAX_TOKENS)).only.token_ids
+    offload_engine.generate(prefix, greedy(MAX_TOKENS))
+    offload_engine.generate(evictor, greedy(1))
+    offload_engine.engine.core.runner.kv_connector.tier.clear()
+    hits0 = offload_engine.kv.stats.external_hits
+    again = offload_engine.generate(prefix, greedy(MAX_TOKENS)).only
+    assert again.token_ids == reference
+    assert offload_engine.kv.stats.external_hits == hits0
+    assert again.num_cached_tokens[-1] <= 4 * BLOCK  # the head blocks still cached locally
+    offload_engine.assert_all_blocks_free()
 
 
 def _request(prompt):

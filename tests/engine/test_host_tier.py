@@ -70,6 +70,13 @@ def test_leased_blocks_are_not_evicted(tier):
     assert tier.lookup([h(4)], lease_seconds=0) == 0
 
 
+def test_clear_forgets_every_block(tier):
+    store(tier, [1, 2])
+    tier.clear()
+    assert tier.num_used() == 0 and tier.lookup([h(1)]) == 0
+    assert store(tier, [1]) == 1
+
+
 def test_a_block_overwritten_while_read_raises_block_lost(tier):
     store(tier, [1])
 
