@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Mapping
 
 from kvserve.config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineConfig,
-                            SchedulerConfig, ServerConfig, parse_size)
+                            SchedulerConfig, ServerConfig, SpeculativeConfig, parse_size)
 
 
 def _positive(kind: type, allow_zero: bool = False) -> Callable[[str], int | float]:
@@ -80,6 +80,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule step N+1 while step N computes (two steps in flight); a "
                         "request that stops may compute one token more, which is dropped "
                         "(default: on)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   metavar="JSON",
+                   help='speculative decoding in vLLM\'s shape: {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 2} (prompt lookup; default: off)')
     p.add_argument("--max-model-len", type=POSITIVE_INT, default=None,
                    help="longest prompt + output in tokens (default: the model's)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -126,7 +131,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         priority_aging_seconds=args.priority_aging_seconds,
         max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
         max_step_seconds=args.max_step_ms / 1000 if args.max_step_ms else None,
-        async_scheduling=args.async_scheduling)
+        async_scheduling=args.async_scheduling, speculative=args.speculative_config)
     cache = CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching,
@@ -321,6 +326,14 @@ def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str
 def _die(message: str) -> None:
     print(f"kvserve: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    """argparse type of ``--speculative-config`` (a usage error names the problem)."""
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _resolve_replica_roles(args: argparse.Namespace) -> None:

@@ -6,6 +6,8 @@ environment itself (``kvserve.cli`` builds them from ``argparse``).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -114,6 +116,56 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 128, "cuda": 2048}
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config`` in vLLM's JSON shape (``kvserve.core.spec_decode``).
+
+    ``method``: ``ngram`` (prompt lookup: drafts copied from earlier in the
+    request). ``num_speculative_tokens``: draft tokens per step, k >= 1.
+    ``prompt_lookup_max`` / ``prompt_lookup_min``: the longest and shortest
+    suffix (tokens) searched for. vLLM's ``draft_model`` method is not built
+    yet; asking for it raises ``ValueError`` saying so.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model":
+            raise ValueError("speculative method 'draft_model' is not supported yet; "
+                             "use 'ngram'")
+        if self.method != "ngram":
+            raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16], got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parse ``--speculative-config``; ``ValueError`` names a bad or unknown key."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known - {"model"})
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown keys {unknown}; known: "
+                             f"{sorted(known)}")
+        data.pop("model", None)  # draft_model's checkpoint: refused by __post_init__
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)):
+                raise ValueError(f"--speculative-config: {key} must be an integer")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching limits and policy.
 
@@ -141,6 +193,7 @@ class SchedulerConfig:
     max_step_seconds: float | None = None
     async_scheduling: bool = True
     long_prefill_token_threshold: int = 0
+    speculative: SpeculativeConfig | None = None
 
     @property
     def max_steps_in_flight(self) -> int:

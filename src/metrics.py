@@ -81,6 +81,10 @@ METRICS: dict[str, str] = {
     "kv_transfer_blocks": "counter",
     "kv_transfer_bytes": "counter",
     "kv_transfer_seconds": "histogram",
+    "spec_decode_num_drafts": "counter",
+    "spec_decode_num_draft_tokens": "counter",
+    "spec_decode_num_accepted_tokens": "counter",
+    "spec_decode_num_accepted_tokens_per_pos": "counter",
 }
 #: Directions of ``kv_transfer_*``: cache -> offload tier, tier -> cache,
 #: cache -> host for a decode replica (prefill side), Ray object store ->
@@ -243,6 +247,24 @@ class EngineMetrics:
             "Seconds the worker spent computing steps; its rate is the busy fraction "
             "(rate(kvserve:engine_busy_seconds_total[1m]), 0..1). kvserve-specific.")
         self._kv_transfer_metrics(model_name)
+        self._spec_decode_metrics(model_name)
+
+    def _spec_decode_metrics(self, model_name: str) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, ["model_name"],
+                           registry=self.registry).labels(model_name)
+        self.spec_drafts = counter("spec_decode_num_drafts",
+                                   "Number of spec decoding drafts (one per speculative step "
+                                   "of a request).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Number of draft tokens proposed.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Number of draft tokens accepted.")
+        self._spec_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the draft (0 = the first).",
+            ["model_name", "position"], registry=self.registry)
+        self._spec_per_pos.labels(model_name, "0")
 
     def _kv_transfer_metrics(self, model_name: str) -> None:
         self.offload_queries = Counter(
@@ -327,6 +349,16 @@ class EngineMetrics:
             self.offload_queries.inc(queries)
         if hits:
             self.offload_hits.inc(hits)
+
+    def observe_spec_decode(self, stats) -> None:
+        """A step's speculative decoding counts (``core.spec_decode.SpecDecodingStats``)."""
+        if not stats.num_drafts:
+            return
+        self.spec_drafts.inc(stats.num_drafts)
+        self.spec_draft_tokens.inc(stats.num_draft_tokens)
+        self.spec_accepted_tokens.inc(stats.num_accepted_tokens)
+        for position, count in enumerate(stats.accepted_per_pos):
+            self._spec_per_pos.labels(self.model_name, str(position)).inc(count)
 
     def observe_kv_transfer(self, direction: str, blocks: int, nbytes: int,
                             seconds: float) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import structlog
 
 from kvserve.core.outputs import RequestUpdate, SchedulerOutput
+from kvserve.core.spec_decode import SpecDecodingStats
 from kvserve.core.stats import (IntervalStats, RequestTimeline, RequestTracker, StepStats,
                                 StepTimes)
 from kvserve.metrics import EngineMetrics
@@ -44,6 +45,7 @@ class StatsObserver:
         self.tracker = RequestTracker()
         self.log = structlog.get_logger("kvserve.stats")
         self.interval = IntervalStats(start=time.monotonic())
+        self.interval_spec = SpecDecodingStats()
         self.total_preemptions = 0
         self._last_idle = False
         # parent id -> n, from request_received (bounded: refused requests never finish)
@@ -118,6 +120,18 @@ class StatsObserver:
                                             output.prefix_cache_hits, len(output.divergences))
             self.metrics.observe_offload(output.kv_offload_queries, output.kv_offload_hits)
             self.metrics.set_load(num_running, num_waiting, kv_usage)
+
+    def on_spec_decode(self, stats: SpecDecodingStats) -> None:
+        """A step's speculative decoding counts: metrics and the interval's
+        acceptance (in the ``engine_stats`` line)."""
+        if not stats.num_drafts:
+            return
+        if self.metrics is not None:
+            self.metrics.observe_spec_decode(stats)
+        spec = self.interval_spec
+        spec.num_drafts += stats.num_drafts
+        spec.num_draft_tokens += stats.num_draft_tokens
+        spec.num_accepted_tokens += stats.num_accepted_tokens
 
     def on_kv_transfer(self, stats) -> None:
         """A step's KV copies (``kv_connector.TransferStats``): metrics, and a
@@ -197,6 +211,11 @@ class StatsObserver:
         fields = timeline.log_fields()
         if update.error:
             fields["error"] = update.error
+        if update.num_draft_tokens:
+            fields.update(spec_draft_tokens=update.num_draft_tokens,
+                          spec_accepted_tokens=update.num_accepted_tokens,
+                          spec_acceptance_rate=round(
+                              update.num_accepted_tokens / update.num_draft_tokens, 4))
         self.log.info("request_finished", **fields)
 
     def _observe_request_max(self, timeline: RequestTimeline) -> None:
@@ -231,8 +250,15 @@ class StatsObserver:
         snap = self.interval.snapshot(now, num_running, num_waiting, kv_usage,
                                       self.total_preemptions)
         self.interval = IntervalStats(start=now)
-        fields = snap.log_fields()
-        self.log.info("engine_stats", message=snap.message(), **fields)
+        fields, message = snap.log_fields(), snap.message()
+        spec, self.interval_spec = self.interval_spec, SpecDecodingStats()
+        if spec.num_drafts:
+            rate = spec.num_accepted_tokens / spec.num_draft_tokens
+            fields.update(spec_mean_acceptance_length=round(spec.mean_acceptance_length, 3),
+                          spec_draft_acceptance_rate=round(rate, 4), spec_drafts=spec.num_drafts)
+            message += (f", Spec decode: mean acceptance length "
+                        f"{spec.mean_acceptance_length:.2f}, draft acceptance rate {rate:.1%}")
+        self.log.info("engine_stats", message=message, **fields)
         return fields
 
 

@@ -216,6 +216,8 @@ class SchedulerActor(Actor):
             updates = self.core.update_from_output(output, runner_output.sampled)
             self._emit(updates, runner_output.logprobs,
                        prompt_logprobs=runner_output.prompt_logprobs)
+            if self.observer is not None and self.core.config.speculative is not None:
+                self.observer.on_spec_decode(self.core.take_spec_stats())
             self.budget.observe(output.num_batched_tokens, runner_output.forward_seconds)
         self._finish_exports(output, runner_output)
         self._hand_back()

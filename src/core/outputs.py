@@ -35,6 +35,10 @@ class ScheduledRequest:
       so the runner samples the next token from its logits.
     - ``is_new``: first scheduling or resume after preemption; the runner
       (re)creates its per-request state from ``SchedulerOutput.new_requests``.
+    - ``spec_token_ids``: draft tokens (speculative decoding): the chunk is
+      the request's last known token followed by these, ``num_tokens`` =
+      1 + their count; the runner scores every position and returns the
+      drafts it accepts plus one token of its own.
     """
 
     request_id: str
@@ -43,6 +47,7 @@ class ScheduledRequest:
     new_block_ids: tuple[int, ...]
     sample: bool
     is_new: bool
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,8 @@ class RequestUpdate:
     - ``num_prompt_tokens`` / ``num_output_tokens``: totals so far.
     - ``num_preemptions``: times it was preempted so far.
     - ``error``: message when ``finish_reason`` is ERROR.
+    - ``num_draft_tokens`` / ``num_accepted_tokens``: speculative decoding's
+      draft tokens proposed for it and accepted, so far.
     """
 
     request_id: str
@@ -115,6 +122,8 @@ class RequestUpdate:
     num_preemptions: int
     stop_reason: int | None = None
     error: str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -131,7 +140,9 @@ class RequestUpdate:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_preemptions=request.num_preemptions, stop_reason=request.stop_reason,
-            error=request.error)
+            error=request.error,
+            num_draft_tokens=request.spec.num_draft_tokens if request.spec else 0,
+            num_accepted_tokens=request.spec.num_accepted_tokens if request.spec else 0)
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | None = None
         self.error: str | None = None
+        #: Speculative decoding state (``core.spec_decode.SpecState``), None
+        #: when the engine does not speculate.
+        self.spec = None
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "

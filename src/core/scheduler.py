@@ -30,6 +30,16 @@ may also stop it); it must not run again before that token is back -- true
 with at most two steps in flight: the step that preempts it is scheduled
 while only the step before holds it, and the next ``schedule()`` comes after
 that one returned.
+
+Speculative decoding (``SchedulerConfig.speculative``, ``core.spec_decode``)
+adds draft tokens to a decoding request's chunk. The scheduler knows the
+drafts (they are copied from the request's own tokens), so it drafts only
+for a request no step in flight holds -- such a request waits a step
+rather than draft from a stale token -- and counts the drafts as computed
+like any other token of the chunk; ``update_from_output`` takes back the
+rejected ones (the runner returns the accepted drafts and one token more)
+before registering full blocks, so prefix-cache hashes only ever cover
+verified tokens.
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from .outputs import (NewRequestData, PreemptionEvent, PrefixCacheDivergence, Re
                       ScheduledRequest, SchedulerOutput)
 from .request import FinishReason, Request, RequestStatus, check_stop
 from .request_queue import create_queue, priority_key
+from .spec_decode import SpecDecodingStats, SpecState, may_speculate, propose_ngram
 
 
 @dataclass
@@ -59,6 +70,7 @@ class _Step:
     rejected: list[RequestUpdate] = field(default_factory=list)
     divergences: list[PrefixCacheDivergence] = field(default_factory=list)
     loads: list[BlockTransfer] = field(default_factory=list)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> draft tokens
     offload_queries: int = 0  # the tier counters when the step began
     offload_hits: int = 0
     stored: list[BlockTransfer] = field(default_factory=list)  # computed by earlier steps
@@ -105,6 +117,8 @@ class Scheduler:
         self._unsent_export_ids: list[str] = []
         self._exporting: set[str] = set()
         self._pending_loads: list[BlockTransfer] = []
+        #: Speculative decoding counts since the last ``take_spec_stats``.
+        self._spec_stats = SpecDecodingStats()
 
     # ----------------------------------------------------------- bookkeeping
 
@@ -334,6 +348,11 @@ class Scheduler:
             num_new = self._capped(num_new)  # a prefill leaves room for those waiting
         if num_new <= 0 or _ends_in_flight(request, limit):
             return True
+        if self._speculates(request):
+            if request.num_output_placeholders:
+                return True  # it drafts from its latest token: wait for the step in flight
+            step.drafts[request.request_id] = drafts = self._draft(request, step.budget, limit)
+            num_new += len(drafts)
         while self.kv_cache_manager.allocate_slots(request, num_new) is None:
             victim = self._pick_victim()
             self._preempt(victim, step)
@@ -341,6 +360,43 @@ class Scheduler:
                 return False
         self._add_to_step(request, num_new, step)
         return True
+
+    def _speculates(self, request: Request) -> bool:
+        """Whether ``request`` drafts this step: speculation is configured,
+        its prompt is computed, its sampling allows it and its off switch
+        has not tripped (``core.spec_decode``)."""
+        if self.config.speculative is None or request.num_computed_tokens < request.num_prompt_tokens:
+            return False
+        if request.spec is None:
+            request.spec = SpecState()
+        if not may_speculate(request.sampling_params, request.num_output_tokens):
+            return False
+        alone = len(self.running) == 1 and not self.waiting  # sitting out costs nothing
+        if request.spec.enabled or alone:
+            return True
+        request.spec.plain_step()
+        return False
+
+    def _draft(self, request: Request, budget: int, limit: int) -> list[int]:
+        """The n-gram draft of a decoding request, no longer than the budget,
+        its ``max_tokens`` and the context length leave room for (the step
+        also computes its last known token and samples one past the drafts)."""
+        spec = self.config.speculative
+        max_tokens = request.sampling_params.max_tokens
+        room = min(spec.num_speculative_tokens, budget - 1, limit - request.num_tokens - 1)
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        drafts = propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min,
+                               spec.prompt_lookup_max)
+        if not drafts:
+            request.spec.record(0, 0)  # a step run alone for nothing: the off switch counts it
+        return drafts
+
+    def take_spec_stats(self) -> SpecDecodingStats:
+        """Speculative decoding counts since the last call (of the steps
+        whose results were applied)."""
+        stats, self._spec_stats = self._spec_stats, SpecDecodingStats()
+        return stats
 
     def _capped(self, num_new: int) -> int:
         """``num_new`` prefill tokens, at most ``long_prefill_token_threshold``
@@ -482,7 +538,8 @@ class Scheduler:
             step.divergences.append(divergence)
 
     def _build_output(self, step: _Step, queries: int, hits: int) -> SchedulerOutput:
-        scheduled = [self._scheduled_request(rid, n, rid in step.new_requests)
+        scheduled = [self._scheduled_request(rid, n, rid in step.new_requests,
+                                             step.drafts.get(rid, ()))
                      for rid, n in step.num_new.items()]
         num_decode = sum(s.num_tokens for s in scheduled if self._is_decode(s))
         num_batched = sum(s.num_tokens for s in scheduled)
@@ -514,22 +571,27 @@ class Scheduler:
                 chunk.request_id, chunk.start_position // bs, cdiv(end, bs))
         return tuple(written)
 
-    def _scheduled_request(self, request_id: str, num_new: int, is_new: bool) -> ScheduledRequest:
+    def _scheduled_request(self, request_id: str, num_new: int, is_new: bool,
+                           drafts: Sequence[int] = ()) -> ScheduledRequest:
         """The step's delta for one request: its blocks since it was last
-        scheduled (all of them when new; a table only grows while running)."""
+        scheduled (all of them when new; a table only grows while running)
+        and its draft tokens."""
         request = self.requests[request_id]
         start = request.num_computed_tokens
         manager = self.kv_cache_manager
         sent = 0 if is_new else self._blocks_sent.get(request_id, 0)
         self._blocks_sent[request_id] = manager.num_request_blocks(request_id)
+        known_end = start + num_new - len(drafts)
         return ScheduledRequest(
             request_id=request_id, num_tokens=num_new, start_position=start,
             new_block_ids=tuple(manager.get_block_ids(request_id, sent)),
-            sample=start + num_new == request.num_tokens_with_placeholders, is_new=is_new)
+            sample=known_end == request.num_tokens_with_placeholders, is_new=is_new,
+            spec_token_ids=tuple(drafts))
 
     def _is_decode(self, scheduled: ScheduledRequest) -> bool:
         request = self.requests[scheduled.request_id]
-        return (not scheduled.is_new and scheduled.num_tokens == 1
+        known = scheduled.num_tokens - len(scheduled.spec_token_ids)  # a verify chunk decodes
+        return (not scheduled.is_new and known == 1
                 and scheduled.start_position >= request.num_prompt_tokens)
 
     # ----------------------------------------------------- update_from_output
@@ -556,11 +618,26 @@ class Scheduler:
             running = request.status is RequestStatus.RUNNING
             if running:
                 request.num_output_placeholders -= 1
-            update = self._apply_sampled(request, sampled.get(request.request_id))
+            tokens = sampled.get(request.request_id)
+            if scheduled.spec_token_ids:
+                self._verified(request, scheduled, tokens, running)
+            update = self._apply_sampled(request, tokens)
             if running and update.finish_reason is None:
                 self.kv_cache_manager.cache_computed_blocks(request)
             updates.append(update)
         return updates
+
+    def _verified(self, request: Request, scheduled: ScheduledRequest,
+                  tokens: Sequence[int] | None, running: bool) -> None:
+        """A speculative step came back: count its acceptance, feed the
+        request's off switch and give back the K/V slots of the rejected
+        drafts (the step computed them; the next one overwrites them)."""
+        num_draft = len(scheduled.spec_token_ids)
+        num_accepted = max(0, min(len(tokens or ()) - 1, num_draft))
+        request.spec.record(num_draft, num_accepted)
+        self._spec_stats.observe(num_draft, num_accepted)
+        if running:
+            request.num_computed_tokens -= num_draft - num_accepted
 
     def _apply_sampled(self, request: Request, token_ids: Sequence[int] | None) -> RequestUpdate:
         if not token_ids:

@@ -185,17 +185,40 @@ def write_kv_kernel(k, v, kv_cache, slot_mapping):
 def f32_gemv_range(x, w, out, lo, hi):
     """out[:, n] = x @ w[n] for the channels n in [lo, hi), four at a time.
 
-    x: float32[M, K]; w: float32[N, K]; out: float32[M, N]. A 1 x 4 register
-    tile: four float32 reductions over K share each load of x; the four
-    weight rows stay in L1 while every row of x passes. Memory-bound for the
-    few rows of a decode step, like BLAS sgemv, but with no BLAS thread pool
-    to wake (see ``CpuOps.linear``).
+    x: float32[M, K]; w: float32[N, K]; out: float32[M, N]. A 2 x 4 register
+    tile: two rows of x and four weight rows, eight float32 reductions over
+    K, so each load of a weight value serves two rows (a last odd row takes
+    a 1 x 4 tile); the four weight rows stay in L1 while the rows of x pass.
+    Memory-bound for the few rows of a decode step, like BLAS sgemv, but
+    with no BLAS thread pool to wake (see ``CpuOps.linear``); the 2-row tile
+    matters for speculative verify chunks and small decode batches.
     """
     M, K = x.shape
     last = w.shape[0] - 1
     for n0 in range(lo, hi, 4):
         n1, n2, n3 = min(n0 + 1, last), min(n0 + 2, last), min(n0 + 3, last)
-        for m in range(M):
+        for m in range(0, M - 1, 2):
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            b0 = b1 = b2 = b3 = np.float32(0.0)
+            for k in range(K):
+                xa = x[m, k]
+                xb = x[m + 1, k]
+                w0 = w[n0, k]
+                w1 = w[n1, k]
+                w2 = w[n2, k]
+                w3 = w[n3, k]
+                a0 += xa * w0
+                a1 += xa * w1
+                a2 += xa * w2
+                a3 += xa * w3
+                b0 += xb * w0
+                b1 += xb * w1
+                b2 += xb * w2
+                b3 += xb * w3
+            _store4(out, m, n0, hi, a0, a1, a2, a3)
+            _store4(out, m + 1, n0, hi, b0, b1, b2, b3)
+        if M % 2:
+            m = M - 1
             a0 = a1 = a2 = a3 = np.float32(0.0)
             for k in range(K):
                 xk = x[m, k]
@@ -203,13 +226,19 @@ def f32_gemv_range(x, w, out, lo, hi):
                 a1 += xk * w[n1, k]
                 a2 += xk * w[n2, k]
                 a3 += xk * w[n3, k]
-            out[m, n0] = a0
-            if n0 + 1 < hi:
-                out[m, n0 + 1] = a1
-            if n0 + 2 < hi:
-                out[m, n0 + 2] = a2
-            if n0 + 3 < hi:
-                out[m, n0 + 3] = a3
+            _store4(out, m, n0, hi, a0, a1, a2, a3)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _store4(out, m, n0, hi, a0, a1, a2, a3):
+    """out[m, n0:n0 + 4] = a0..a3, the channels below ``hi`` only."""
+    out[m, n0] = a0
+    if n0 + 1 < hi:
+        out[m, n0 + 1] = a1
+    if n0 + 2 < hi:
+        out[m, n0 + 2] = a2
+    if n0 + 3 < hi:
+        out[m, n0 + 3] = a3
 
 
 @njit(nogil=True, cache=True, parallel=True)

@@ -26,11 +26,17 @@ __all__ = ["CpuOps", "build_rope_cache"]
 _F32 = np.float32
 #: New tokens from which a sequence's attention takes the BLAS prefill path.
 PREFILL_MIN_QUERIES = 16
-#: Dense float32 products of at most this many rows (decode steps) use the
-#: Numba GEMV kernel rather than BLAS sgemm: with the OpenMP layer its
-#: threads are already awake, where OpenBLAS's sleep between calls (see
-#: kvserve/__init__.py).
-DENSE_GEMV_MAX_ROWS = 8
+#: Dense float32 products of at most this many rows (decode steps, and
+#: speculative verify chunks of up to 11 drafts) use the Numba GEMV kernel
+#: rather than BLAS sgemm: with the OpenMP layer its threads are already
+#: awake, where OpenBLAS's sleep between calls (see kvserve/__init__.py).
+#: Measured on the 2-core machine, a whole forward pass of the default model
+#: over a 500-token context, with the 1 x 4 tile kernel: 9 rows 37-41 ms
+#: against 73-82 ms with sgemm, 12 rows 40-47 against 83-94 ms, but 16 rows
+#: 110-133 against 71 ms. The 2 x 4 tile since then is 1.5-1.7x faster from
+#: 2 rows on (the two linear layers of an MLP, 576 x 1536: 2 rows 54-61 us
+#: against 90-98, 8 rows 133-140 against 200, 12 rows 175-201 against 288-379).
+DENSE_GEMV_MAX_ROWS = 12
 #: Attention of less work than this (new tokens x context x heads x head_dim,
 #: summed over sequences) runs serially. With the workqueue layer, entering
 #: a Numba parallel region costs 50-120 us, more than the attention of a few

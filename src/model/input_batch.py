@@ -129,6 +129,12 @@ class InputBatch:
         self.token_ids[row, start:start + len(token_ids)] = token_ids
         self.num_tokens[row] = start + len(token_ids)
 
+    def truncate_tokens(self, request_id: str, num_tokens: int) -> None:
+        """Forget the request's last ``num_tokens`` tokens (draft tokens
+        appended only to build a step)."""
+        row = self.row_of[request_id]
+        self.num_tokens[row] -= num_tokens
+
     def append_blocks(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Blocks appended to the request's table since it was last scheduled."""
         if not len(block_ids):

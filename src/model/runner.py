@@ -26,6 +26,7 @@ from kvserve.model.input_batch import BatchInputs, InputBatch
 from kvserve.model.llama import AttentionMetadata, LlamaModel
 from kvserve.model.ops import Ops
 from kvserve.model.sampler import LogprobEntry, SamplingState, prompt_logprobs, sample
+from kvserve.model.spec_decode import verify_drafts
 from kvserve.structured.masks import StructuredOutputs
 
 
@@ -122,26 +123,61 @@ class ModelRunner:
         scheduled = [c for c in scheduler_output.scheduled if c.request_id not in self._failed]
         if not scheduled:
             return ModelRunnerOutput(kv_transfer=transfer)
-        batch = self.input_batch.build(scheduled)
+        batch = self._build(scheduled)
         num_sampled = len(batch.sample_ids)
         constrained = self.structured.rows(batch.sample_ids) if self.structured else []
         masks = self.structured.fill(constrained) if constrained else None  # during the forward
+        spec_extra, spec_rows = self._spec_rows(scheduled, batch)
         prompt_rows = self._prompt_logprob_rows(scheduled, batch)
-        if prompt_rows:
-            extra = np.concatenate([rows for _, rows, _ in prompt_rows])
-            batch = replace(batch, logits_indices=np.concatenate([batch.logits_indices, extra]))
+        if prompt_rows or spec_rows:
+            extra = [spec_extra] + [rows for _, rows, _ in prompt_rows]
+            batch = replace(batch, logits_indices=np.concatenate([batch.logits_indices, *extra]))
+        num_logits = num_sampled + len(spec_extra)
         t0 = time.perf_counter()
         hidden = self._forward(batch)
-        logits = self._sampling_logits(hidden[:num_sampled])
+        logits = self._sampling_logits(hidden[:num_logits])
         if masks is not None:
             self.structured.apply(logits, constrained, masks.result(), self.xp)
         t1 = time.perf_counter()
-        self._gather_prompt_logprobs(prompt_rows, hidden[num_sampled:])
-        output = self._sample(batch, logits)
+        self._gather_prompt_logprobs(prompt_rows, hidden[num_logits:])
+        output = self._sample(batch, logits, spec_rows)
         output.kv_transfer = transfer
         output.prepare_seconds = t0 - t_start
         output.forward_seconds, output.sample_seconds = t1 - t0, time.perf_counter() - t1
         return output
+
+    def _build(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
+        """The flat batch; a speculating request's chunk ends with its drafts,
+        which the input batch holds only while the batch is built."""
+        drafts = [(c.request_id, c.spec_token_ids) for c in scheduled if c.spec_token_ids]
+        for request_id, tokens in drafts:
+            self.input_batch.append_tokens(request_id, tokens)
+        try:
+            return self.input_batch.build(scheduled)
+        finally:
+            for request_id, tokens in drafts:
+                self.input_batch.truncate_tokens(request_id, len(tokens))
+
+    def _spec_rows(self, scheduled: list[ScheduledRequest], batch: BatchInputs
+                   ) -> tuple[np.ndarray, dict[str, tuple[list[int], tuple[int, ...]]]]:
+        """Logits rows of the speculating requests: the batch positions to
+        score besides the sampled rows (int64[E]: each chunk's last known
+        token and drafts but the last), and per request its 1 + d rows in
+        the logits array (the extra ones follow the sampled rows) and drafts."""
+        extra: list[np.ndarray] = []
+        rows: dict[str, tuple[list[int], tuple[int, ...]]] = {}
+        sample_row = {rid: i for i, rid in enumerate(batch.sample_ids)}
+        offset = len(batch.sample_ids)
+        for index, chunk in enumerate(scheduled):
+            drafts = chunk.spec_token_ids
+            if not drafts or chunk.request_id not in sample_row:
+                continue
+            end = int(batch.query_start_loc[index + 1])
+            extra.append(np.arange(end - 1 - len(drafts), end - 1, dtype=np.int64))
+            rows[chunk.request_id] = (list(range(offset, offset + len(drafts)))
+                                      + [sample_row[chunk.request_id]], drafts)
+            offset += len(drafts)
+        return (np.concatenate(extra) if extra else np.zeros(0, dtype=np.int64)), rows
 
     def _prompt_logprob_rows(self, scheduled: list[ScheduledRequest], batch: BatchInputs
                              ) -> list[tuple[str, np.ndarray, np.ndarray]]:
@@ -234,22 +270,40 @@ class ModelRunner:
         return self.model.hidden_states(to(batch.input_ids), to(batch.positions), attn,
                                         self.kv_caches, to(batch.logits_indices))
 
-    def _sample(self, batch: BatchInputs, logits: np.ndarray) -> ModelRunnerOutput:
-        states = [self.states[rid] for rid in batch.sample_ids]
-        tokens, entries = sample(logits, states, self.logprobs_mode, self.xp)
+    def _sample(self, batch: BatchInputs, logits: np.ndarray,
+                spec_rows: dict[str, tuple[list[int], tuple[int, ...]]]) -> ModelRunnerOutput:
+        """One token per plain sampled row; a speculating request's drafts
+        verified (``spec_decode.verify_drafts``) for 1 to d + 1 tokens."""
         output = ModelRunnerOutput()
-        for rid, state, token, entry in zip(batch.sample_ids, states, tokens, entries):
+        plain = [i for i, rid in enumerate(batch.sample_ids) if rid not in spec_rows]
+        if plain:
+            rows = logits if len(plain) == logits.shape[0] else logits[self.xp.asarray(plain)]
+            ids = [batch.sample_ids[i] for i in plain]
+            tokens, entries = sample(rows, [self.states[rid] for rid in ids],
+                                     self.logprobs_mode, self.xp)
+            for rid, token, entry in zip(ids, tokens, entries):
+                self._emit(output, rid, [token], entry)
+        for rid, (rows_of, drafts) in spec_rows.items():
+            tokens = verify_drafts(logits[self.xp.asarray(rows_of)], drafts, self.states[rid],
+                                   self.xp)
+            self._emit(output, rid, tokens, None)
+        return output
+
+    def _emit(self, output: ModelRunnerOutput, rid: str, tokens: list[int],
+              entry: LogprobEntry | None) -> None:
+        """Record a request's new tokens in its state, the input batch and ``output``."""
+        state = self.states[rid]
+        for token in tokens:
             state.append(token)  # keeps the penalty counts current
             if self.structured is not None:
                 self.structured.accept(rid, token)
-            self.input_batch.append_tokens(rid, (token,))
-            output.sampled[rid] = [token]
-            if entry is not None:
-                output.logprobs[rid] = [entry]
-            if state.prompt_logprobs is not None:
-                output.prompt_logprobs[rid] = state.prompt_logprobs
-                state.prompt_logprobs = None
-        return output
+        self.input_batch.append_tokens(rid, tokens)
+        output.sampled[rid] = tokens
+        if entry is not None:
+            output.logprobs[rid] = [entry]
+        if state.prompt_logprobs is not None:
+            output.prompt_logprobs[rid] = state.prompt_logprobs
+            state.prompt_logprobs = None
 
 
 def profile_forward(model: LlamaModel, ops: Ops, num_tokens: int, block_size: int) -> None:

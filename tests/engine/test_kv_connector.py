@@ -91,6 +91,15 @@ def test_exports_gather_blocks_in_order_and_imports_load_them(connector):
     assert connector.num_imports == 0  # consumed
 
 
+def test_an_import_loads_its_blocks_by_hash_when_some_were_cached(connector):
+    exported = connector.run(caches(), output(exports=[BlockTransfer("p", 5, h(5)),
+                                                       BlockTransfer("p", 1, h(1))])).exports["p"]
+    other = [np.zeros_like(c) for c in caches()]
+    connector.add_import("d", exported.block_hashes, exported.data)
+    connector.run(other, output(loads=[BlockTransfer("d", 3, h(1))]))  # h(5) was cached there
+    assert other[2][3].mean() == 201 and other[2][0].mean() == 0
+
+
 def test_imports_of_finished_requests_are_dropped(connector):
     connector.add_import("gone", [h(1)], np.zeros((1, LAYERS, 2, BS, NKV, HD), np.float32))
     connector.run(caches(), output(finished=["gone"]))

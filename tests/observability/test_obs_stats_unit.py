@@ -37,6 +37,9 @@ VLLM_COUNTERS = ["prompt_tokens_computed"]
 #: Issue 16: the offload tier's hits and every KV transfer, by direction.
 KV_COUNTERS = ["kv_offload_queries", "kv_offload_hits", "kv_transfer_blocks", "kv_transfer_bytes"]
 KV_HISTOGRAMS = ["kv_transfer_seconds"]
+#: Issue 17: speculative decoding, under vLLM's names.
+SPEC_COUNTERS = ["spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos"]
 
 
 def test_timeline_phases_add_up_by_construction():
@@ -168,12 +171,12 @@ def test_every_issue_metric_is_exposed_with_its_type_and_label():
     assert sorted(METRICS) == sorted(ISSUE_HISTOGRAMS + ISSUE_GAUGES + ISSUE_COUNTERS
                                      + STEP_HISTOGRAMS + STEP_COUNTERS + VLLM_HISTOGRAMS
                                      + VLLM_GAUGES + VLLM_COUNTERS + KV_COUNTERS
-                                     + KV_HISTOGRAMS)
+                                     + KV_HISTOGRAMS + SPEC_COUNTERS)
     for name in ISSUE_HISTOGRAMS + STEP_HISTOGRAMS + VLLM_HISTOGRAMS + KV_HISTOGRAMS:
         assert f"# TYPE kvserve:{name} histogram" in text
     for name in ISSUE_GAUGES + VLLM_GAUGES:
         assert f"# TYPE kvserve:{name} gauge" in text
-    for name in ISSUE_COUNTERS + STEP_COUNTERS + VLLM_COUNTERS + KV_COUNTERS:
+    for name in ISSUE_COUNTERS + STEP_COUNTERS + VLLM_COUNTERS + KV_COUNTERS + SPEC_COUNTERS:
         assert (f"# TYPE kvserve:{name}_total counter" in text
                 or f"# TYPE kvserve:{name} counter" in text), name
     for name in METRICS:

@@ -1,0 +1,88 @@
+"""Acceptance (issue 17): greedy output with n-gram speculative decoding
+equals the output without it, token for token -- on the golden prompts and
+repetitive ones, alone and batched with requests that do not speculate,
+with chunked prefill and with preemption in between -- and no KV block
+leaks. The reference is the default engine's plain decoding."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from golden import golden_cases
+
+from engine_harness import BLOCK_BYTES, TEXTS, greedy
+from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+
+pytestmark = pytest.mark.model
+
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def spec_engine(engine_loop):
+    return engine_loop.get(scheduler=SchedulerConfig(speculative=SPEC))
+
+
+@pytest.fixture(scope="module")
+def tight_spec_engine(engine_loop):
+    """16-token steps (chunked prefill) and 16 KV blocks (preemption)."""
+    return engine_loop.get(cache=CacheConfig(kv_cache_memory=16 * BLOCK_BYTES),
+                           scheduler=SchedulerConfig(max_num_batched_tokens=16, speculative=SPEC))
+
+
+def repetitive_prompts(engine) -> list[list[int]]:
+    code = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+            "def mul(a, b):\n    return a * b\n\n\ndef ")
+    return [engine.encode(code),
+            engine.encode("Repeat after me: " + TEXTS["repeat"] + " Again: " + TEXTS["repeat"]),
+            engine.encode("one two three four, one two three four, one two three")]
+
+
+def plain(engine, prompts, max_tokens=MAX_TOKENS):
+    return [engine.generate(p, greedy(max_tokens)).only.token_ids for p in prompts]
+
+
+def spec_metric(engine, name: str) -> float:
+    text = engine.engine.metrics.render().decode()
+    line = next(l for l in text.splitlines() if l.startswith(f"kvserve:{name}_total{{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_golden_and_repetitive_prompts_equal_plain_decoding(default_engine, spec_engine):
+    golden = [(c["prompt_token_ids"], c["case"]["max_tokens"]) for c in golden_cases()]
+    assert golden, "the golden cases are required"
+    for prompt, max_tokens in golden:
+        assert spec_engine.generate(prompt, greedy(max_tokens)).only.token_ids == \
+            default_engine.generate(prompt, greedy(max_tokens)).only.token_ids
+    prompts = repetitive_prompts(spec_engine)
+    assert plain(spec_engine, prompts) == plain(default_engine, prompts)
+    assert spec_metric(spec_engine, "spec_decode_num_accepted_tokens") > 0
+    spec_engine.assert_all_blocks_free()
+
+
+def test_batched_with_requests_that_do_not_speculate(default_engine, spec_engine):
+    prompts = repetitive_prompts(spec_engine)
+    params = [greedy(MAX_TOKENS), greedy(MAX_TOKENS, presence_penalty=0.5),
+              greedy(MAX_TOKENS, logprobs=1)]
+
+    async def together():
+        return await asyncio.gather(*(spec_engine.agenerate(p, q)
+                                      for p in prompts for q in params))
+    batched = spec_engine.run(together())
+    alone = [default_engine.generate(p, q).only.token_ids for p in prompts for q in params]
+    assert [r.only.token_ids for r in batched] == alone
+    spec_engine.assert_all_blocks_free()
+
+
+def test_chunked_prefill_and_preemption_in_between(default_engine, tight_spec_engine):
+    prompts = repetitive_prompts(tight_spec_engine) * 3  # about 36 blocks at the end
+    params = greedy(MAX_TOKENS, ignore_eos=True)
+    batched = tight_spec_engine.generate_all(prompts, params)
+    assert [r.only.token_ids for r in batched] == \
+        [default_engine.generate(p, params).only.token_ids for p in prompts]
+    assert tight_spec_engine.engine.scheduler.total_preemptions > 0, \
+        "test precondition: the small cache preempted"
+    assert spec_metric(tight_spec_engine, "spec_decode_num_drafts") > 0
+    tight_spec_engine.assert_all_blocks_free()

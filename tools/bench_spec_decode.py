@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, one run.
+
+Two servers of the default model, ``--speculative-config`` off and on, the
+same two workloads on each:
+
+- **code edit**, one client: a prompt holding a ~300-token Python module
+  and the instruction to repeat it with one name changed; the answer
+  copies most of the prompt, which is where prompt lookup pays. Reported:
+  decode tokens/s (output tokens after the first over the time after the
+  first token) and the mean acceptance length.
+- **short Q&A**, ``--qa-clients`` clients: short questions with 64-token
+  answers, where drafts are rarely right; the off switch must keep the
+  total output throughput within a few percent of plain decoding.
+
+Greedy (temperature 0) throughout, so the two servers' texts must be equal.
+
+    python tools/bench_spec_decode.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+import httpx
+
+from kvserve.bench.replay import run_replay, summarize
+from kvserve.bench.server import ServerProcess
+from kvserve.bench.trace import TraceRequest
+from kvserve.metrics import parse_metrics_text
+from kvserve.model.default_model import ensure_default_model
+
+FUNCTIONS = ["parse_header", "read_records", "merge_sorted", "format_table", "count_words",
+             "clamp_range"]
+
+
+def module_source() -> str:
+    """About 300 tokens of plain Python: a few small functions."""
+    return '''import math
+
+
+def parse_header(line):
+    """Split a header line into a name and a value."""
+    name, _, value = line.partition(":")
+    return name.strip().lower(), value.strip()
+
+
+def read_records(lines):
+    """Yield one dictionary per non-empty line of comma-separated values."""
+    keys = None
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        values = line.split(",")
+        if keys is None:
+            keys = values
+            continue
+        yield dict(zip(keys, values))
+
+
+def merge_sorted(left, right):
+    """Merge two sorted lists into one sorted list."""
+    result = []
+    i = j = 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            result.append(left[i])
+            i += 1
+        else:
+            result.append(right[j])
+            j += 1
+    result.extend(left[i:])
+    result.extend(right[j:])
+    return result
+
+
+def clamp_range(value, low, high):
+    """Return value limited to the range from low to high."""
+    return max(low, min(high, value))
+'''
+
+
+def code_edit_prompt(index: int) -> str:
+    old = FUNCTIONS[index % 4 if index % 4 != 3 else 5]
+    return (f"Here is a Python module:\n\n```python\n{module_source()}```\n\nHere is the whole "
+            f"module again, with the function `{old}` renamed to `{old}_v{index}` and nothing "
+            "else changed:\n\n```python\nimport math\n\n\n")
+
+
+QUESTIONS = ["What is the capital of France?", "Why is the sky blue?",
+             "Name three kinds of fruit.", "How many legs does a spider have?",
+             "What does a baker do?", "Why do cats purr?", "What is rain made of?",
+             "Who wrote Romeo and Juliet?"]
+
+
+def workloads(args: argparse.Namespace) -> dict[str, list[TraceRequest]]:
+    edit = [TraceRequest(id=f"edit-{i}", cls="edit", arrival_s=0.0, prompt=code_edit_prompt(i),
+                         output_tokens=args.edit_tokens) for i in range(1, args.edits + 1)]
+    qa = [TraceRequest(id=f"qa-{i}", cls="qa", arrival_s=0.0,
+                       messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]
+                                  + f" (question {i})"}], output_tokens=args.qa_tokens)
+          for i in range(args.qa_requests)]
+    return {"edit": edit, "qa": qa}
+
+
+def acceptance(base_url: str) -> float | None:
+    samples = parse_metrics_text(httpx.get(f"{base_url}/metrics", timeout=30).text)
+    drafts = sum(v for _, v in samples.get("kvserve:spec_decode_num_drafts_total", []))
+    accepted = sum(v for _, v in samples.get("kvserve:spec_decode_num_accepted_tokens_total",
+                                            []))
+    return 1 + accepted / drafts if drafts else None
+
+
+async def replay(base_url: str, requests: list[TraceRequest], endpoint: str,
+                 concurrency: int) -> tuple[list, float]:
+    return await run_replay(requests, base_url, endpoint=endpoint, max_concurrency=concurrency,
+                            ignore_eos=False, progress=False)
+
+
+def measure(spec: str | None, args: argparse.Namespace) -> dict:
+    flags = ["--model", str(ensure_default_model()), "--stats-interval", "0"]
+    if spec:
+        flags += ["--speculative-config", spec]
+    server = ServerProcess(flags)
+    try:
+        work = workloads(args)
+        asyncio.run(replay(server.base_url, work["edit"][:1], "completions", 1))  # warm-up
+        load_before = os.getloadavg()[0]
+        edit, edit_s = asyncio.run(replay(server.base_url, work["edit"], "completions", 1))
+        mean_len = acceptance(server.base_url)
+        qa, qa_s = asyncio.run(replay(server.base_url, work["qa"], "chat", args.qa_clients))
+    finally:
+        server.stop()
+    decode = [((r.output_tokens or 0) - 1) / (r.e2el - r.ttft) for r in edit
+              if r.success and r.output_tokens and r.output_tokens > 1]
+    return {"spec": spec or "off", "edit_decode_tok_s": sum(decode) / max(len(decode), 1),
+            "edit_output_tokens": [r.output_tokens for r in edit],
+            "edit_texts": [r.finish_reason for r in edit],
+            "mean_acceptance_length": mean_len,
+            "qa_output_throughput": summarize(qa, qa_s)["output_throughput"],
+            "failed": sum(not r.success for r in edit + qa),
+            "load_before": load_before, "load_after": os.getloadavg()[0]}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 8, '
+                                          '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
+    parser.add_argument("--edits", type=int, default=3)
+    parser.add_argument("--edit-tokens", type=int, default=300)
+    parser.add_argument("--qa-requests", type=int, default=32)
+    parser.add_argument("--qa-clients", type=int, default=8)
+    parser.add_argument("--qa-tokens", type=int, default=64)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = [measure(None, args), measure(args.spec, args)]
+    for row in rows:
+        print(json.dumps(row), file=sys.stderr)
+    base, spec = rows
+    print(f"\n{os.cpu_count()} CPUs; --speculative-config {args.spec}\n")
+    print("| speculative decoding | code edit decode tok/s (1 client) | mean acceptance "
+          f"length | short Q&A output tok/s ({args.qa_clients} clients) | load avg |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        length = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "-"
+        print(f"| {r['spec'] if r['spec'] == 'off' else 'ngram'} | {r['edit_decode_tok_s']:.1f} | "
+              f"{length} | {r['qa_output_throughput']:.1f} | {r['load_before']:.1f} -> "
+              f"{r['load_after']:.1f} |")
+    print(f"\ncode edit decode speed-up: {spec['edit_decode_tok_s'] / base['edit_decode_tok_s']:.2f}x; "
+          f"short Q&A throughput: "
+          f"{spec['qa_output_throughput'] / base['qa_output_throughput']:.2f}x; "
+          f"same output lengths: {base['edit_output_tokens'] == spec['edit_output_tokens']}")
+    return 0 if not (base["failed"] or spec["failed"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
