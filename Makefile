@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install install-serve model serve test test-fast test-clients bench-clients \
+.PHONY: install install-serve model serve test test-fast test-slow test-clients bench-clients \
 	mutation-check bench bench-llamacpp clean
 
 # pip prints its progress (the first install downloads ~150 MB: numba, llvmlite, numpy).
@@ -38,6 +38,10 @@ serve: install-serve
 ## Install, fetch the default model if needed, run the whole test suite (CPU only).
 test: install
 	$(PY) -m pytest -q $(ARGS)
+
+## The tests marked slow (long, and no issue's acceptance test), which make test leaves out.
+test-slow: install
+	$(PY) -m pytest -q -m "slow and not clients" $(ARGS)
 
 ## The tests that need no model and no shared folder (a plain clone).
 test-fast: install

@@ -58,6 +58,7 @@ def test_evicted_prefix_is_loaded_from_the_tier_with_the_same_output(offload_eng
     offload_engine.assert_all_blocks_free()
 
 
+@pytest.mark.slow
 def test_blocks_the_tier_lost_are_recomputed_with_the_same_output(offload_engine,
                                                                   no_prefix_engine):
     prefix = offload_engine.encode("Lost tier. " + TEXTS["long_prefix"])
@@ -80,6 +81,7 @@ def _request(prompt):
     return Request("probe", list(prompt), SamplingParams(max_tokens=1))
 
 
+@pytest.mark.slow
 def test_an_engine_attached_to_the_tier_loads_what_another_evicted(engine_loop, offload_engine,
                                                                    no_prefix_engine):
     """Replicas of a node share the tier: engine B never saw the prompt."""

@@ -12,7 +12,7 @@ from kvserve.model.spec_decode import verify_drafts
 
 #: Chi-square critical value for 4 degrees of freedom at p = 0.001.
 CHI2_4DF_P001 = 18.47
-TRIALS = 20000
+TRIALS = 10000
 
 # rows: after the last known token, after draft 0, after draft 1
 LOGITS = np.array([[2.0, 1.0, 0.5, 0.0, -1.0],

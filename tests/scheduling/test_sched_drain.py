@@ -53,7 +53,6 @@ async def _load_then_sigterm(server: LiveServer):
         return records, health, late, late_stream, still_running
 
 
-@pytest.mark.slow
 def test_sigterm_under_load_completes_accepted_refuses_new_exits_zero(drain_server):
     records, health, late, late_stream, still_running = asyncio.run(
         _load_then_sigterm(drain_server))
@@ -71,7 +70,6 @@ def test_sigterm_under_load_completes_accepted_refuses_new_exits_zero(drain_serv
     assert '"drain_finished"' in drain_server.log_tail()
 
 
-@pytest.mark.slow
 def test_ctrl_c_ends_open_streams_cleanly_at_once(drain_server):
     """SIGINT (Ctrl-C) with a stream open: the stream ends at once with a 503
     error event and [DONE], no traceback, exit 0 (uvicorn alone cancelled it
