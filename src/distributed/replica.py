@@ -12,6 +12,7 @@ the actor's coroutines on one event loop, the engine's own.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +21,12 @@ from kvserve.actors.messages import GenerateRequest, RequestFailed, RequestOutpu
 from kvserve.config import EngineConfig
 from kvserve.core.kv_events import KVEvent, KVEventLog
 from kvserve.core.router import ReplicaLoad
+
+
+#: Seconds a prefill waits for its KV export after the request finished (the
+#: next step copies it; only a dead engine takes this long). The decode
+#: replica then computes the prompt itself.
+EXPORT_TIMEOUT = 60.0
 
 
 class EngineReplica:
@@ -92,7 +99,11 @@ class EngineReplica:
         if not finished:
             self.engine.forget_kv_export(rid)
             return {"failure": failure, "error": "the prefill did not finish"}, None
-        exported = await future
+        try:
+            exported = await asyncio.wait_for(future, EXPORT_TIMEOUT)
+        except asyncio.TimeoutError:
+            self.engine.forget_kv_export(rid)
+            exported = None
         if exported is None:
             return {"error": "the KV export failed"}, None
         return ({"block_hashes": exported.block_hashes, "bytes": int(exported.data.nbytes),
