@@ -19,8 +19,9 @@ The request then runs on a decode replica, which adopts the blocks, finds
 them as prefix-cache hits and computes only the prompt's last partial
 block before decoding. A prefill that fails for want of a replica falls
 back to a decode replica computing everything; a refusal (a 4xx) ends the
-request. Requests with ``n > 1`` or ``prompt_logprobs`` go straight to a
-decode replica.
+request. Requests with ``n > 1`` or ``prompt_logprobs``, and prompts of
+at most one capped prefill chunk (``long_prefill_token_threshold``, else
+half the step budget), go straight to a decode replica.
 
 The KV offload tier (``--kv-offloading-size``): this process creates it in
 shared memory (``kvserve.distributed.host_tier``) and every replica of the
@@ -71,7 +72,8 @@ class DataParallelClient:
     """
 
     def __init__(self, replicas: list, infos: list[dict], tokenizer: Tokenizer,
-                 routing: str = "prefix", prefill_replicas: int = 0) -> None:
+                 routing: str = "prefix", prefill_replicas: int = 0,
+                 short_prompt_tokens: int = 0) -> None:
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {routing!r}")
         if not 0 <= prefill_replicas < len(replicas):
@@ -80,6 +82,8 @@ class DataParallelClient:
         self.routing = routing
         #: Replica i only prefills when ``i < num_prefill`` (0: no disaggregation).
         self.num_prefill = prefill_replicas
+        #: Prompts of at most this many tokens skip the prefill replicas.
+        self.short_prompt_tokens = short_prompt_tokens
         self.tier: SharedHostTier | None = None  # the offload tier this process made
         self._next = 0  # round robin's next replica
         self.replicas = replicas
@@ -126,7 +130,10 @@ class DataParallelClient:
             log.info("replica_started", replica=i, num_threads=threads, role=role, **info,
                      message=f"Replica {i}: {info['num_kv_tokens']:,} KV tokens, "
                              f"{threads} CPU thread(s), role {role}")
-        client = cls(replicas, infos, Tokenizer(Path(config.model)), routing, prefill_replicas)
+        sched = config.scheduler
+        short = sched.long_prefill_token_threshold or sched.max_num_batched_tokens // 2
+        client = cls(replicas, infos, Tokenizer(Path(config.model)), routing, prefill_replicas,
+                     short_prompt_tokens=short)
         if tier_bytes:
             await client._share_offload_tier(tier_bytes)
         client._poller = asyncio.create_task(client._poll_loop(), name="replica-poller")
@@ -173,12 +180,16 @@ class DataParallelClient:
         500 error event."""
         rid, tried, progress = request.request_id, set(), _Progress()
         try:
-            kv = await self._prefill(request) if self._disaggregated(request) else None
+            tokens = (await asyncio.to_thread(self._prompt_tokens, request)
+                      if self.routing == "prefix" or self.num_prefill else [])
+            kv = None
+            if self._disaggregated(request, tokens):
+                kv = await self._prefill(request, tokens)
             if isinstance(kv, RequestFailed):
                 stream.put(kv)
                 return
             while True:
-                replica = await self._route(request, exclude=tried, role="decode")
+                replica = await self._route(request, tokens, exclude=tried, role="decode")
                 if replica is None:
                     stream.put(RequestFailed(rid, 503, "No replica is available.",
                                              type="service_unavailable"))
@@ -194,12 +205,18 @@ class DataParallelClient:
         finally:
             self._forget(rid)
 
-    def _disaggregated(self, request: GenerateRequest) -> bool:
-        """Whether ``request`` goes through a prefill replica first."""
+    def _disaggregated(self, request: GenerateRequest, tokens: list[int]) -> bool:
+        """Whether ``request`` goes through a prefill replica first: not
+        with ``n > 1`` or ``prompt_logprobs``, nor for a prompt of at most
+        ``short_prompt_tokens`` (one capped prefill chunk of a decode
+        replica's step: queueing behind long prompts on the prefill replica
+        would cost it more than it saves the decodes)."""
         params = request.sampling_params
-        return self.num_prefill > 0 and params.n == 1 and params.prompt_logprobs is None
+        return (self.num_prefill > 0 and params.n == 1 and params.prompt_logprobs is None
+                and len(tokens) > self.short_prompt_tokens)
 
-    async def _prefill(self, request: GenerateRequest) -> list | RequestFailed | None:
+    async def _prefill(self, request: GenerateRequest, tokens: list[int]
+                       ) -> list | RequestFailed | None:
         """Run the prefill half on a prefill replica: ``[block_hashes, ref
         of their K/V]`` for the decode replica, the replica's refusal (a
         4xx ``RequestFailed``), or None when no prefill replica could do it
@@ -207,7 +224,7 @@ class DataParallelClient:
         from ray.exceptions import RayActorError
 
         rid = request.request_id
-        replica = await self._route(request, exclude=set(), role="prefill")
+        replica = await self._route(request, tokens, exclude=set(), role="prefill")
         if replica is None:
             return None
         params = replace(request.sampling_params, max_tokens=1, min_tokens=0, logprobs=None,
@@ -276,18 +293,18 @@ class DataParallelClient:
         self._placement.pop(request_id, None)
         self._streams.pop(request_id, None)
 
-    async def _route(self, request: GenerateRequest, exclude: set[int],
+    async def _route(self, request: GenerateRequest, tokens: list[int], exclude: set[int],
                      role: str = "decode") -> int | None:
-        """The replica for ``request`` among those up, not in ``exclude``
-        and of ``role`` (``prefill`` or ``decode``; without disaggregation
-        every replica decodes). None when there is none."""
+        """The replica for ``request`` (its prompt ``tokens``) among those
+        up, not in ``exclude`` and of ``role`` (``prefill`` or ``decode``;
+        without disaggregation every replica decodes). None when there is
+        none."""
         available = [up and i not in exclude and (i < self.num_prefill) == (role == "prefill")
                      for i, up in enumerate(self.up)]
         if not any(available):
             return None
         if self.routing == "round_robin":
             return self._round_robin(request.request_id, available)
-        tokens = await asyncio.to_thread(self._prompt_tokens, request)
         loads = [replace(load, running=max(load.running, n))
                  for load, n in zip(self.loads, self._in_flight)]
         decision = self.router.route(tokens, loads, available)

@@ -21,6 +21,10 @@ from kvserve.metrics import parse_metrics_text
 pytestmark = pytest.mark.model
 
 BLOCK = 16
+#: Prompts of at most this many tokens skip the prefill replica (the server's
+#: --long-prefill-token-threshold; the default, half the CPU step budget,
+#: would send every golden prompt straight to the decode replica).
+SHORT_PROMPT_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +32,7 @@ def pd_server(default_model_path, tmp_path_factory):
     server = LiveServer(default_model_path, tmp_path_factory.mktemp("kvserve-pd"),
                         extra_args=["--max-model-len", str(SERVER_MAX_MODEL_LEN),
                                     "--prefill-replicas", "1", "--decode-replicas", "1",
+                                    "--long-prefill-token-threshold", str(SHORT_PROMPT_TOKENS),
                                     "--kv-offloading-size", "0.05", "--stats-interval", "0"])
     yield server
     server.stop()
@@ -45,13 +50,16 @@ def test_disaggregated_requests_give_one_engines_outputs(pd_server, live_server)
         if first_divergence(ref_tokens, got_tokens, top2, case.get("name", "case")) is None:
             assert ref.get("text", ref.get("message")) == got.get("text", got.get("message"))
     prefilled = pd_server.log_events("request_prefilled")
-    assert len(prefilled) >= len(cases) and {e["replica"] for e in prefilled} == {0}
+    long_prompts = [p for p in GOLDEN if p.values[0] is not None
+                    and len(p.values[0]["prompt_token_ids"]) > SHORT_PROMPT_TOKENS]
+    assert len(long_prompts) >= len(cases) // 2, "test precondition: most go through prefill"
+    assert len(prefilled) >= len(long_prompts) and {e["replica"] for e in prefilled} == {0}
     decoded = [e for e in pd_server.log_events("request_routed") if e.get("role") == "decode"]
     assert {e["replica"] for e in decoded} == {1}
 
 
 def test_the_decode_replica_reports_the_adopted_blocks_as_cached(pd_server):
-    prompt = "Disaggregated serving test. " + "The library opens at nine and closes at six. " * 6
+    prompt = "Disaggregated serving test. " + "The library opens at nine and closes at six. " * 12
     with httpx.Client(base_url=pd_server.base_url, timeout=300) as client:
         response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4,
                                                          "temperature": 0})
@@ -65,6 +73,17 @@ def test_the_decode_replica_reports_the_adopted_blocks_as_cached(pd_server):
             "prompt": "A streamed disaggregated request: " + prompt, "max_tokens": 4,
             "temperature": 0, "stream": True})
         assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+
+
+def test_a_short_prompt_skips_the_prefill_replica(pd_server):
+    with httpx.Client(base_url=pd_server.base_url, timeout=300) as client:
+        response = client.post("/v1/completions", headers={"X-Request-Id": "short-prompt"},
+                               json={"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] <= SHORT_PROMPT_TOKENS
+    routed = [e for e in pd_server.log_events("request_routed")
+              if e["request_id"] == "short-prompt"]
+    assert [(e["role"], e["replica"]) for e in routed] == [("decode", 1)]
 
 
 def test_both_replicas_free_every_block_and_count_the_transfer(pd_server):
