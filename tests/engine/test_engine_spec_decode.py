@@ -2,7 +2,8 @@
 equals the output without it, token for token -- on the golden prompts and
 repetitive ones, alone and batched with requests that do not speculate,
 with chunked prefill and with preemption in between -- and no KV block
-leaks. The reference is the default engine's plain decoding."""
+leaks; a seeded sampled request draws the same tokens. The reference is the
+default engine's plain decoding."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from golden import golden_cases
 
 from engine_harness import BLOCK_BYTES, TEXTS, greedy
 from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from kvserve.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
 
@@ -89,3 +91,13 @@ def test_chunked_prefill_and_preemption_in_between(default_engine, tight_spec_en
         "test precondition: the small cache preempted"
     assert spec_metric(tight_spec_engine, "spec_decode_num_drafts") > 0
     tight_spec_engine.assert_all_blocks_free()
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(default_engine,
+                                                                           spec_engine):
+    """One uniform per emitted token: a seeded request samples as without speculation."""
+    for i, prompt in enumerate(repetitive_prompts(spec_engine)):
+        params = SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=MAX_TOKENS)
+        assert spec_engine.generate(prompt, params).only.token_ids == \
+            default_engine.generate(prompt, params).only.token_ids
+    assert spec_metric(spec_engine, "spec_decode_num_accepted_tokens") > 0
