@@ -136,6 +136,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching,
                         kv_offloading_size=args.kv_offloading_size)
+    if cache.kv_offloading_size:
+        from kvserve.distributed.host_tier import check_tier_size
+        check_tier_size(int(cache.kv_offloading_size * 2**30))
     return EngineConfig(model=model, backend=args.backend, dtype=args.dtype,
                         quantization=args.quantization, cache=cache,
                         scheduler=scheduler,

@@ -100,6 +100,9 @@ class CacheConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if not self.kv_offloading_size >= 0.0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size needs prefix caching (the tier keeps blocks "
+                             "by their prefix hashes); drop --no-enable-prefix-caching")
 
 
 #: Default step token budget per backend. CPU: 128, from
@@ -150,18 +153,17 @@ class SpeculativeConfig:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+            raise ValueError(f"not JSON: {exc}") from None
         if not isinstance(data, dict):
-            raise ValueError("--speculative-config must be a JSON object")
+            raise ValueError("must be a JSON object")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known - {"model"})
         if unknown:
-            raise ValueError(f"--speculative-config: unknown keys {unknown}; known: "
-                             f"{sorted(known)}")
+            raise ValueError(f"unknown keys {unknown}; known: {sorted(known)}")
         data.pop("model", None)  # draft_model's checkpoint: refused by __post_init__
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)):
-                raise ValueError(f"--speculative-config: {key} must be an integer")
+                raise ValueError(f"{key} must be an integer")
         return cls(**data)
 
 

@@ -116,6 +116,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
              f"request: {plan.max_concurrency:.2f}x", max_model_len=max_len,
              max_concurrency=round(plan.max_concurrency, 2))
     sched = config.scheduler
+    _log_speculative(sched)
     step_ms = None if sched.max_step_seconds is None else round(sched.max_step_seconds * 1000, 1)
     log.info("scheduler_config", message=f"Step budget: {sched.max_num_batched_tokens} tokens"
              + (f", step-time target {step_ms} ms" if step_ms else "")
@@ -139,6 +140,17 @@ def model_fingerprint(path: Path, config: EngineConfig, backend: Backend) -> str
     digest = hashlib.sha256((path / "config.json").read_bytes())
     digest.update(f"|{config.quantization}|{backend.name}|{backend.dtype}".encode())
     return f"{path.name}:{digest.hexdigest()[:16]}"
+
+
+def _log_speculative(sched) -> None:
+    spec = sched.speculative
+    if spec is None:
+        return
+    log.info("speculative_config", method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
+             prompt_lookup_max=spec.prompt_lookup_max, prompt_lookup_min=spec.prompt_lookup_min,
+             message=f"Speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} "
+                     f"draft tokens per step (suffixes of {spec.prompt_lookup_min}-"
+                     f"{spec.prompt_lookup_max} tokens)")
 
 
 def _log_offload_tier(connector: KVConnector, plan: KVCachePlan) -> None:

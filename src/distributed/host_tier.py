@@ -43,6 +43,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import structlog
 
 from kvserve.core.block_hash import HASH_SIZE
 
@@ -66,6 +67,18 @@ def default_directory() -> Path:
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
 
 
+def check_tier_size(size_bytes: int, directory: Path | None = None) -> None:
+    """``ValueError`` when a tier of ``size_bytes`` would not fit in the free
+    space of ``directory`` (``/dev/shm`` is memory: a tier larger than it
+    fails when first used beyond it, with SIGBUS)."""
+    directory = directory or default_directory()
+    stat = os.statvfs(directory)
+    free = stat.f_bavail * stat.f_frsize
+    if size_bytes > free:
+        raise ValueError(f"--kv-offloading-size {size_bytes / 2**30:g} GiB does not fit in the "
+                         f"{free / 2**30:.1f} GiB free in {directory}")
+
+
 def remove_stale_tiers(directory: Path) -> list[Path]:
     """Delete tier files left by processes that died without removing them
     (the owner's pid is part of the name). Returns the files deleted."""
@@ -79,6 +92,10 @@ def remove_stale_tiers(directory: Path) -> list[Path]:
             removed.append(path)
         except OSError:
             pass
+    if removed:
+        structlog.get_logger("kvserve.offload").info(
+            "stale_offload_tiers_removed", paths=[str(p) for p in removed],
+            message=f"Removed {len(removed)} KV offload tier file(s) of stopped servers")
     return removed
 
 
@@ -133,7 +150,8 @@ class SharedHostTier:
                directory: Path | None = None) -> SharedHostTier:
         """A new, empty tier of ``size_bytes`` bytes of K/V (rounded down to
         whole blocks). Removes stale tier files first. Raises ``ValueError``
-        when not even one block fits."""
+        when not even one block fits, when the size exceeds the folder's free
+        space, or when the file cannot be made (nothing is left behind)."""
         directory = directory or default_directory()
         remove_stale_tiers(directory)
         dtype = np.dtype(dtype)
@@ -145,11 +163,18 @@ class SharedHostTier:
         header = {"magic": _MAGIC, "version": _VERSION, "num_slots": num_slots,
                   "block_shape": [int(d) for d in block_shape], "dtype": dtype.str,
                   "fingerprint": fingerprint}
+        total = _layout(num_slots, block_shape, dtype)["total"]
+        check_tier_size(total, directory)
         path = directory / f"kvserve-kv-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, _layout(num_slots, block_shape, dtype)["total"])
-        os.pwrite(fd, json.dumps(header).encode().ljust(_HEADER_BYTES, b"\0"), 0)
-        return cls(path, fd, header)
+        try:
+            os.ftruncate(fd, total)
+            os.pwrite(fd, json.dumps(header).encode().ljust(_HEADER_BYTES, b"\0"), 0)
+            return cls(path, fd, header)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise ValueError(f"cannot create the KV offload tier at {path}: {exc}") from None
 
     @classmethod
     def attach(cls, path: str | Path, block_shape: Sequence[int], dtype,

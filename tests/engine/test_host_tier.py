@@ -130,3 +130,15 @@ def test_another_process_reads_what_one_stored(tier):
     assert child.exitcode == 0
     assert tier.lookup([h(5), h(6)]) == 2
     assert [float(b.mean()) for b in read(tier, [5, 6])] == [5.0, 6.0]
+
+
+def test_a_tier_larger_than_the_free_space_is_refused_and_leaves_no_file(tmp_path):
+    with pytest.raises(ValueError, match="does not fit"):
+        SharedHostTier.create(10**18, SHAPE, np.float32, "m", directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tier_needs_prefix_caching():
+    from kvserve.config import CacheConfig
+    with pytest.raises(ValueError, match="prefix caching"):
+        CacheConfig(kv_offloading_size=0.1, enable_prefix_caching=False)
