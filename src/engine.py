@@ -20,7 +20,8 @@ import structlog
 from kvserve.actors.admission import AdmissionActor
 from kvserve.core.admission_queue import AdmissionLimits, AdmissionQueue
 from kvserve.actors.detokenizer import DetokenizerActor
-from kvserve.actors.messages import AbortRequest, AdoptBlocks, GenerateRequest, RequestFailed
+from kvserve.actors.messages import (AbortRequest, AdoptBlocks, GenerateRequest, RequestFailed,
+                                     shutdown_failure)
 from kvserve.actors.registry import StreamRegistry, child_request_ids
 from kvserve.actors.scheduler import SchedulerActor
 from kvserve.actors.stream import RequestStream
@@ -446,9 +447,7 @@ class AsyncEngine:
         left = self.streams.ids()
         for request_id in left:
             stream = self.streams.get(request_id)
-            self.streams.fail(RequestFailed(request_id, 503, "The server shut down before "
-                                            "this request finished (--drain-timeout).",
-                                            type="service_unavailable"))
+            self.streams.fail(shutdown_failure(request_id, timeout))
             if stream is not None:
                 self.admission.send(AbortRequest(child_request_ids(request_id, stream.n)))
         log.info("drain_finished", failed_requests=len(left))

@@ -212,6 +212,14 @@ class RequestFailed:
     retry_after: float | None = None
 
 
+def shutdown_failure(request_id: str, timeout: float) -> RequestFailed:
+    """The 503 of a request still open when a drain of ``timeout`` seconds
+    ended: a SIGTERM's ``--drain-timeout``, or 0 for Ctrl-C (SIGINT)."""
+    why = "(--drain-timeout)" if timeout > 0 else "(interrupted: SIGINT does not wait)"
+    return RequestFailed(request_id, 503, f"The server shut down before this request "
+                         f"finished {why}.", type="service_unavailable")
+
+
 @dataclass(frozen=True)
 class Stop:
     """Sentinel that ends an actor's run loop."""

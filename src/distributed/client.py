@@ -39,7 +39,7 @@ from pathlib import Path
 import structlog
 
 from kvserve.actors.messages import (GenerateRequest, RequestAccepted, RequestFailed,
-                                     RequestOutput)
+                                     RequestOutput, shutdown_failure)
 from kvserve.actors.stream import RequestStream
 from kvserve.config import EngineConfig
 from kvserve.core.router import PrefixAwareRouter, ReplicaLoad
@@ -418,9 +418,7 @@ class DataParallelClient:
             await asyncio.sleep(0.05)
         left = list(self._placement)
         for request_id in left:
-            await self.abort(request_id, RequestFailed(
-                request_id, 503, "The server shut down before this request finished "
-                "(--drain-timeout).", type="service_unavailable"))
+            await self.abort(request_id, shutdown_failure(request_id, timeout))
         log.info("drain_finished", failed_requests=len(left))
         return len(left)
 
