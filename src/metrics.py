@@ -137,9 +137,7 @@ class EngineMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
-
+        counter = self._counter
         self.ttft = histogram(
             "time_to_first_token_seconds",
             "Histogram of time to first token in seconds: from the request's arrival at the "
@@ -249,10 +247,13 @@ class EngineMetrics:
         self._kv_transfer_metrics(model_name)
         self._spec_decode_metrics(model_name)
 
+    def _counter(self, name: str, doc: str) -> Counter:
+        """A counter with only the ``model_name`` label, set to this engine's."""
+        return Counter(PREFIX + name, doc, ["model_name"],
+                       registry=self.registry).labels(self.model_name)
+
     def _spec_decode_metrics(self, model_name: str) -> None:
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, ["model_name"],
-                           registry=self.registry).labels(model_name)
+        counter = self._counter
         self.spec_drafts = counter("spec_decode_num_drafts",
                                    "Number of spec decoding drafts (one per speculative step "
                                    "of a request).")
@@ -267,14 +268,12 @@ class EngineMetrics:
         self._spec_per_pos.labels(model_name, "0")
 
     def _kv_transfer_metrics(self, model_name: str) -> None:
-        self.offload_queries = Counter(
-            PREFIX + "kv_offload_queries", "KV offload tier queries, in tokens: full prompt "
-            "blocks the local prefix cache missed at admission. kvserve-specific.",
-            ["model_name"], registry=self.registry).labels(model_name)
-        self.offload_hits = Counter(
-            PREFIX + "kv_offload_hits", "KV offload tier hits, in tokens: prompt tokens loaded "
-            "from the tier instead of computed. kvserve-specific.",
-            ["model_name"], registry=self.registry).labels(model_name)
+        self.offload_queries = self._counter(
+            "kv_offload_queries", "KV offload tier queries, in tokens: full prompt blocks the "
+            "local prefix cache missed at admission. kvserve-specific.")
+        self.offload_hits = self._counter(
+            "kv_offload_hits", "KV offload tier hits, in tokens: prompt tokens loaded from the "
+            "tier instead of computed. kvserve-specific.")
         labels = ["model_name", "direction"]
         blocks = Counter(PREFIX + "kv_transfer_blocks", "KV blocks moved, by direction "
                          "(offload, onload, export, fetch, import). kvserve-specific.",

@@ -166,6 +166,8 @@ class ModelRunner:
         the logits array (the extra ones follow the sampled rows) and drafts."""
         extra: list[np.ndarray] = []
         rows: dict[str, tuple[list[int], tuple[int, ...]]] = {}
+        if not any(chunk.spec_token_ids for chunk in scheduled):
+            return np.zeros(0, dtype=np.int64), rows
         sample_row = {rid: i for i, rid in enumerate(batch.sample_ids)}
         offset = len(batch.sample_ids)
         for index, chunk in enumerate(scheduled):

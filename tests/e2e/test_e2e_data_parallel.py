@@ -62,17 +62,25 @@ async def ask_all(base_url: str, cases: list[dict]) -> list[dict]:
     return [r.json()["choices"][0] for r in responses]
 
 
-def test_two_replicas_serve_the_golden_prompts_as_one_engine(dp_server, live_server):
+def assert_golden_as_one_engine(server: LiveServer, one_engine: LiveServer) -> list[dict]:
+    """Every golden case sent at once to ``server`` gives ``one_engine``'s
+    greedy output (a divergence only at a near-tie of the top-2 logits);
+    returns the cases."""
     cases = [p.values[0]["case"] for p in GOLDEN if p.values[0] is not None]
     assert cases, "the golden cases are required"
-    one = asyncio.run(ask_all(live_server.base_url, cases))
-    two = asyncio.run(ask_all(dp_server.base_url, cases))  # concurrent: both replicas work
+    one = asyncio.run(ask_all(one_engine.base_url, cases))
+    two = asyncio.run(ask_all(server.base_url, cases))
     for case, ref, got in zip(cases, one, two, strict=True):
         ref_tokens, ref_top2 = tokens_and_top2(ref)
         got_tokens, got_top2 = tokens_and_top2(got)
         top2 = [min(a, b, key=lambda t: t[0] - t[1]) for a, b in zip(got_top2, ref_top2)]
         if first_divergence(ref_tokens, got_tokens, top2, case.get("name", "case")) is None:
             assert ref.get("text", ref.get("message")) == got.get("text", got.get("message"))
+    return cases
+
+
+def test_two_replicas_serve_the_golden_prompts_as_one_engine(dp_server, live_server):
+    assert_golden_as_one_engine(dp_server, live_server)  # concurrent: both replicas work
     routed = dp_server.log_events("request_routed")
     assert {e["replica"] for e in routed} == {0, 1}, "test precondition: both replicas served"
 

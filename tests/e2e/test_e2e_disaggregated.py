@@ -8,13 +8,12 @@ the API process created; a prompt the prefill replica refuses gets its 400.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import httpx
 import pytest
-from e2e_support import GOLDEN, SERVER_MAX_MODEL_LEN, LiveServer, first_divergence
-from test_e2e_data_parallel import ask_all, tokens_and_top2
+from e2e_support import GOLDEN, SERVER_MAX_MODEL_LEN, LiveServer
+from test_e2e_data_parallel import assert_golden_as_one_engine
 
 from kvserve.metrics import parse_metrics_text
 
@@ -39,16 +38,7 @@ def pd_server(default_model_path, tmp_path_factory):
 
 
 def test_disaggregated_requests_give_one_engines_outputs(pd_server, live_server):
-    cases = [p.values[0]["case"] for p in GOLDEN if p.values[0] is not None]
-    assert cases, "the golden cases are required"
-    one = asyncio.run(ask_all(live_server.base_url, cases))
-    two = asyncio.run(ask_all(pd_server.base_url, cases))
-    for case, ref, got in zip(cases, one, two, strict=True):
-        ref_tokens, ref_top2 = tokens_and_top2(ref)
-        got_tokens, got_top2 = tokens_and_top2(got)
-        top2 = [min(a, b, key=lambda t: t[0] - t[1]) for a, b in zip(got_top2, ref_top2)]
-        if first_divergence(ref_tokens, got_tokens, top2, case.get("name", "case")) is None:
-            assert ref.get("text", ref.get("message")) == got.get("text", got.get("message"))
+    cases = assert_golden_as_one_engine(pd_server, live_server)
     prefilled = pd_server.log_events("request_prefilled")
     long_prompts = [p for p in GOLDEN if p.values[0] is not None
                     and len(p.values[0]["prompt_token_ids"]) > SHORT_PROMPT_TOKENS]
