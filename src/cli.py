@@ -84,7 +84,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    metavar="JSON",
                    help='speculative decoding in vLLM\'s shape: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                        '"prompt_lookup_min": 2} (prompt lookup; default: off)')
+                        '"prompt_lookup_min": 2} (prompt lookup) or {"method": '
+                        '"draft_model", "model": PATH, "num_speculative_tokens": 4, '
+                        '"quantization": "int8"} (a smaller model of the same tokenizer; '
+                        'default: off)')
     p.add_argument("--max-model-len", type=POSITIVE_INT, default=None,
                    help="longest prompt + output in tokens (default: the model's)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -353,6 +356,10 @@ def _resolve_replica_roles(args: argparse.Namespace) -> None:
         _die(f"--data-parallel-size {args.data_parallel_size} is not --prefill-replicas "
              f"{prefill} + --decode-replicas {decode}")
     args.data_parallel_size = prefill + decode
+    spec = args.speculative_config
+    if spec is not None and spec.uses_draft_model:
+        _die("a draft model keeps its own KV cache, which a prefill replica does not hand "
+             "over: use --prefill-replicas or a draft model, not both")
 
 
 async def _start_replicas(args: argparse.Namespace, config: EngineConfig):

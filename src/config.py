@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "raw_logits")
+#: Weight schemes (``EngineConfig.quantization``, ``kvserve.model.quantization``).
+QUANTIZATIONS = ("none", "int8", "w8a8", "q4")
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
           "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
 
@@ -123,29 +125,52 @@ class SpeculativeConfig:
     """``--speculative-config`` in vLLM's JSON shape (``kvserve.core.spec_decode``).
 
     ``method``: ``ngram`` (prompt lookup: drafts copied from earlier in the
-    request). ``num_speculative_tokens``: draft tokens per step, k >= 1.
-    ``prompt_lookup_max`` / ``prompt_lookup_min``: the longest and shortest
-    suffix (tokens) searched for. vLLM's ``draft_model`` method is not built
-    yet; asking for it raises ``ValueError`` saying so.
+    request) or ``draft_model`` (a smaller checkpoint of the same tokenizer,
+    ``model``, proposes the drafts; ``kvserve.model.drafter``).
+    ``num_speculative_tokens``: draft tokens per step, k >= 1.
+    ``prompt_lookup_max`` / ``prompt_lookup_min`` (``ngram``): the longest
+    and shortest suffix (tokens) searched for. ``quantization``
+    (``draft_model``, vLLM's key): the draft's weights, as the engine's
+    ``quantization``; ``none`` by default. ``disable_by_batch_size`` (vLLM's
+    key): no request speculates while at least this many are running (None:
+    no limit), since a full batch already reads the weights once for many
+    tokens and a draft model's passes then cost more than they save.
+    Raises ``ValueError`` naming the bad field.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None
+    quantization: str = "none"
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
-            raise ValueError("speculative method 'draft_model' is not supported yet; "
-                             "use 'ngram'")
-        if self.method != "ngram":
-            raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative method must be 'ngram' or 'draft_model', "
+                             f"got {self.method!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method 'draft_model' needs 'model': the draft checkpoint's folder")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("'model' is for method 'draft_model'; 'ngram' needs none")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16], got "
                              f"{self.num_speculative_tokens}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1, got "
+                             f"{self.disable_by_batch_size}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """True when a draft model (in the worker) proposes the drafts."""
+        return self.method == "draft_model"
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -157,13 +182,19 @@ class SpeculativeConfig:
         if not isinstance(data, dict):
             raise ValueError("must be a JSON object")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known - {"model"})
+        unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown keys {unknown}; known: {sorted(known)}")
-        data.pop("model", None)  # draft_model's checkpoint: refused by __post_init__
-        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)):
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                    "disable_by_batch_size"):
+            if data.get(key) is not None and (not isinstance(data[key], int)
+                                              or isinstance(data[key], bool)):
                 raise ValueError(f"{key} must be an integer")
+        for key in ("method", "model", "quantization"):
+            if key in data and not isinstance(data[key], str):
+                raise ValueError(f"{key} must be a string")
+        if data.get("quantization") is None:
+            data.pop("quantization", None)
         return cls(**data)
 
 
@@ -276,10 +307,15 @@ class EngineConfig:
             raise ValueError(f"backend must be auto, cpu or cuda, got {self.backend!r}")
         if self.dtype not in ("auto", "float32", "float16"):
             raise ValueError(f"dtype must be auto, float32 or float16, got {self.dtype!r}")
-        if self.quantization not in ("none", "int8", "w8a8", "q4"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError("quantization must be none, int8, w8a8 or q4, got "
                              f"{self.quantization!r}")
         if self.backend == "cpu" and self.dtype == "float16":
             raise ValueError("the cpu backend runs float32; --dtype float16 needs --backend cuda")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}")
+        spec = self.scheduler.speculative
+        if spec is not None and spec.uses_draft_model and self.cache.kv_offloading_size:
+            raise ValueError("a draft model keeps its own KV cache, which the offload tier "
+                             "does not carry: use --kv-offloading-size or a draft model, "
+                             "not both")

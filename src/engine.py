@@ -36,6 +36,7 @@ from kvserve.metrics import EngineMetrics
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights
 from kvserve.model.backend import Backend, create_backend
+from kvserve.model.drafter import DraftProposer, load_draft_model
 from kvserve.model.runner import ModelRunner, profile_forward
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.plan import (  # noqa: F401 - KVCachePlan re-exported
@@ -85,7 +86,10 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         weights.update(load_gguf_blocks(path, model_config))
     model = LlamaModel(model_config, weights, backend.ops, config.quantization)
     del weights
-    weights_bytes = model.weights_nbytes
+    spec = config.scheduler.speculative
+    draft = (load_draft_model(spec, model_config, path, backend.ops)
+             if spec is not None and spec.uses_draft_model else None)
+    weights_bytes = model.weights_nbytes + (draft.weights_nbytes if draft is not None else 0)
     if config.quantization != "none":
         _log_quantization(config.quantization, model_config, float_bytes, weights_bytes,
                           backend.dtype.itemsize)
@@ -93,7 +97,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     kv_bytes = backend.kv_cache_bytes(model_config, weights_bytes, lambda: profile_forward(
         model, backend.ops, config.scheduler.max_num_batched_tokens, config.cache.block_size))
     plan = cap_to_cache(plan_kv_cache(model_config, replace(config.cache, kv_cache_memory=kv_bytes),
-                                      requested, backend.dtype.itemsize))
+                                      requested, backend.dtype.itemsize,
+                                      draft.config if draft is not None else None))
     max_len = plan.max_model_len
     if max_len < requested:
         log.warning("max_model_len_capped", max_model_len=max_len, requested=requested,
@@ -102,7 +107,10 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
                                    model_config.eos_token_ids)
     runner = ModelRunner(model_config, model, backend.ops, plan.num_blocks, plan.block_size,
                          logprobs_mode=config.logprobs_mode, seed=config.seed,
-                         structured=structured)
+                         structured=structured,
+                         drafter=None if draft is None else DraftProposer(
+                             draft, backend.ops, plan.num_blocks, plan.block_size, config.seed,
+                             max_catch_up=config.scheduler.max_num_batched_tokens))
     runner.kv_connector = connector = build_kv_connector(
         backend.ops, runner.kv_caches, config.cache, model_fingerprint(path, config, backend))
     _log_offload_tier(connector, plan)
@@ -146,6 +154,14 @@ def model_fingerprint(path: Path, config: EngineConfig, backend: Backend) -> str
 def _log_speculative(sched) -> None:
     spec = sched.speculative
     if spec is None:
+        return
+    if spec.uses_draft_model:
+        log.info("speculative_config", method=spec.method,
+                 num_speculative_tokens=spec.num_speculative_tokens, draft_model=spec.model,
+                 draft_quantization=spec.quantization,
+                 message=f"Speculative decoding: draft model {spec.model} "
+                         f"({spec.quantization}), up to {spec.num_speculative_tokens} draft "
+                         "tokens per step")
         return
     log.info("speculative_config", method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
              prompt_lookup_max=spec.prompt_lookup_max, prompt_lookup_min=spec.prompt_lookup_min,

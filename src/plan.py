@@ -64,12 +64,16 @@ class KVCachePlan:
 
 
 def plan_kv_cache(model: ModelConfig, cache: CacheConfig, max_model_len: int,
-                  dtype_bytes: int = 4) -> KVCachePlan:
-    """Divide ``cache.kv_cache_memory`` bytes into blocks.
+                  dtype_bytes: int = 4, draft: ModelConfig | None = None) -> KVCachePlan:
+    """Divide ``cache.kv_cache_memory`` bytes into blocks. With a ``draft``
+    model (speculative decoding) each token also holds the draft's K/V: its
+    cache has the same blocks (``kvserve.model.drafter``).
 
     Raises ``ValueError`` when not even one block fits.
     """
     per_token = model.kv_bytes_per_token(dtype_bytes)
+    if draft is not None:
+        per_token += draft.kv_bytes_per_token(dtype_bytes)
     num_blocks = cache.kv_cache_memory // (cache.block_size * per_token)
     if num_blocks < 1:
         raise ValueError(

@@ -213,7 +213,8 @@ class SchedulerActor(Actor):
         if result.error is not None:
             self._fail_step(output, result.error)
         else:
-            updates = self.core.update_from_output(output, runner_output.sampled)
+            updates = self.core.update_from_output(output, runner_output.sampled,
+                                                   runner_output.draft_token_ids)
             self._emit(updates, runner_output.logprobs,
                        prompt_logprobs=runner_output.prompt_logprobs)
             if self.observer is not None and self.core.config.speculative is not None:
@@ -256,7 +257,8 @@ class SchedulerActor(Actor):
         return StepTimes(schedule=step.schedule_seconds,
                          prepare=runner_output.prepare_seconds,
                          forward=runner_output.forward_seconds,
-                         sample=runner_output.sample_seconds, emit=emit_seconds)
+                         sample=runner_output.sample_seconds,
+                         draft=runner_output.draft_seconds, emit=emit_seconds)
 
     def _refresh_load(self) -> None:
         """Running/waiting/KV gauges as they are now (they must reach 0 when idle)."""

@@ -39,6 +39,11 @@ class ScheduledRequest:
       the request's last known token followed by these, ``num_tokens`` =
       1 + their count; the runner scores every position and returns the
       drafts it accepts plus one token of its own.
+    - ``num_lookahead_tokens``: draft tokens the worker's draft model
+      proposes for the request's next step, after this one samples
+      (``draft_model`` speculation; vLLM's lookahead slots). Its block table
+      already covers that many positions past the chunk, where the draft
+      model writes its own K/V.
     """
 
     request_id: str
@@ -48,6 +53,7 @@ class ScheduledRequest:
     sample: bool
     is_new: bool
     spec_token_ids: tuple[int, ...] = ()
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -32,14 +32,18 @@ while only the step before holds it, and the next ``schedule()`` comes after
 that one returned.
 
 Speculative decoding (``SchedulerConfig.speculative``, ``core.spec_decode``)
-adds draft tokens to a decoding request's chunk. The scheduler knows the
-drafts (they are copied from the request's own tokens), so it drafts only
-for a request no step in flight holds -- such a request waits a step
-rather than draft from a stale token -- and counts the drafts as computed
-like any other token of the chunk; ``update_from_output`` takes back the
-rejected ones (the runner returns the accepted drafts and one token more)
-before registering full blocks, so prefix-cache hashes only ever cover
-verified tokens.
+adds draft tokens to a decoding request's chunk. N-gram drafts are copied
+from the request's own tokens; a draft model's come back with the step
+that sampled the request's latest token (``update_from_output``'s
+``drafts``). Either way the scheduler drafts only for a request no step in
+flight holds -- such a request waits a step rather than draft from a stale
+token -- and counts the drafts as computed like any other token of the
+chunk; ``update_from_output`` takes back the rejected ones (the runner
+returns the accepted drafts and one token more) before registering full
+blocks, so prefix-cache hashes only ever cover verified tokens. A chunk
+that will propose draft-model drafts gets that many lookahead slots
+(vLLM's ``num_lookahead_tokens``), where the draft model writes its K/V;
+they stay in the request's table and are freed with it.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class _Step:
     divergences: list[PrefixCacheDivergence] = field(default_factory=list)
     loads: list[BlockTransfer] = field(default_factory=list)
     drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> draft tokens
+    lookahead: dict[str, int] = field(default_factory=dict)  # request id -> drafts to propose
     offload_queries: int = 0  # the tier counters when the step began
     offload_hits: int = 0
     stored: list[BlockTransfer] = field(default_factory=list)  # computed by earlier steps
@@ -119,6 +124,7 @@ class Scheduler:
         self._pending_loads: list[BlockTransfer] = []
         #: Speculative decoding counts since the last ``take_spec_stats``.
         self._spec_stats = SpecDecodingStats()
+        self._num_requests_at_step_start = 0  # running + waiting when schedule() began
 
     # ----------------------------------------------------------- bookkeeping
 
@@ -308,6 +314,7 @@ class Scheduler:
         step = _Step(budget=budget if token_budget is None else min(budget, token_budget),
                      offload_queries=stats.external_queries, offload_hits=stats.external_hits,
                      stored=self.kv_cache_manager.take_stored())
+        self._num_requests_at_step_start = len(self.running) + len(self.waiting)
         self._schedule_running(step)
         if not step.preemptions or self.config.policy == "priority":
             self._schedule_waiting(step)
@@ -348,12 +355,16 @@ class Scheduler:
             num_new = self._capped(num_new)  # a prefill leaves room for those waiting
         if num_new <= 0 or _ends_in_flight(request, limit):
             return True
-        if self._speculates(request):
+        speculates = self._speculates(request)
+        if not speculates and request.spec is not None:
+            request.spec.draft_token_ids = []  # stale by the time it speculates again
+        if speculates:
             if request.num_output_placeholders:
                 return True  # it drafts from its latest token: wait for the step in flight
             step.drafts[request.request_id] = drafts = self._draft(request, step.budget, limit)
             num_new += len(drafts)
-        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+        lookahead = self._num_lookahead(request, num_new, limit, speculates)
+        while self._allocate(request, num_new, lookahead, step) is None:
             victim = self._pick_victim()
             self._preempt(victim, step)
             if victim is request:
@@ -361,11 +372,45 @@ class Scheduler:
         self._add_to_step(request, num_new, step)
         return True
 
+    def _allocate(self, request: Request, num_new: int, lookahead: int, step: _Step,
+                  hits: Sequence = ()) -> list | None:
+        """``KVCacheManager.allocate_slots`` for ``num_new`` tokens and, if
+        they fit too, ``lookahead`` more for the draft model (lookahead slots
+        never cost a preemption): the new blocks, or None."""
+        manager = self.kv_cache_manager
+        if lookahead:
+            blocks = manager.allocate_slots(request, num_new + lookahead, hits)
+            if blocks is not None:
+                step.lookahead[request.request_id] = lookahead
+                return blocks
+        return manager.allocate_slots(request, num_new, hits)
+
+    def _num_lookahead(self, request: Request, num_new: int, limit: int,
+                       speculates: bool) -> int:
+        """Drafts the draft model proposes after this chunk: k (fewer near
+        ``limit``) when the chunk samples and the request speculates next --
+        a decode that speculates now, or a prompt's last chunk whose sampling
+        allows it; 0 with n-gram speculation."""
+        spec = self.config.speculative
+        if spec is None or not spec.uses_draft_model or self._batch_too_large():
+            return 0
+        end = request.num_computed_tokens + num_new
+        if end < request.num_tokens_with_placeholders:
+            return 0  # a prefill chunk that does not sample
+        if not speculates:  # the chunk ending a prompt (or a resumed request's tokens)
+            state = request.spec
+            if (request.num_computed_tokens >= request.num_prompt_tokens
+                    or (state is not None and not state.enabled)
+                    or not may_speculate(request.sampling_params, request.num_output_tokens + 1)):
+                return 0
+        return max(0, min(spec.num_speculative_tokens, limit - end))
+
     def _speculates(self, request: Request) -> bool:
         """Whether ``request`` drafts this step: speculation is configured,
         its prompt is computed, its sampling allows it and its off switch
         has not tripped (``core.spec_decode``)."""
-        if self.config.speculative is None or request.num_computed_tokens < request.num_prompt_tokens:
+        if (self.config.speculative is None or self._batch_too_large()
+                or request.num_computed_tokens < request.num_prompt_tokens):
             return False
         if request.spec is None:
             request.spec = SpecState()
@@ -377,6 +422,12 @@ class Scheduler:
         request.spec.plain_step()
         return False
 
+    def _batch_too_large(self) -> bool:
+        """``disable_by_batch_size``: at least that many requests were running
+        or waiting when this step began."""
+        limit = self.config.speculative.disable_by_batch_size
+        return limit is not None and self._num_requests_at_step_start >= limit
+
     def _draft(self, request: Request, budget: int, limit: int) -> list[int]:
         """The n-gram draft of a decoding request, no longer than the budget,
         its ``max_tokens`` and the context length leave room for (the step
@@ -386,6 +437,9 @@ class Scheduler:
         room = min(spec.num_speculative_tokens, budget - 1, limit - request.num_tokens - 1)
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens - 1)
+        if spec.uses_draft_model:  # proposed by the worker with the latest token
+            drafts, request.spec.draft_token_ids = request.spec.draft_token_ids, []
+            return drafts[:max(room, 0)]
         drafts = propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min,
                                spec.prompt_lookup_max)
         if not drafts:
@@ -446,6 +500,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # the tokens in flight for it are dropped
+        if request.spec is not None:
+            request.spec.draft_token_ids = []
         request.num_preemptions += 1
         self.waiting.prepend(request)
         self._finished_ids[request.request_id] = None
@@ -502,8 +558,11 @@ class Scheduler:
         num_new = min(request.num_tokens - num_hit - num_loaded * self.block_size, step.budget)
         if len(self.waiting) > 1:  # others wait behind it
             num_new = self._capped(num_new)
-        new_blocks = manager.allocate_slots(request, num_loaded * self.block_size + num_new,
-                                            hit_blocks)
+        num_slots = num_loaded * self.block_size + num_new
+        limit = request.max_model_len or self.config.max_model_len
+        lookahead = self._num_lookahead(request, num_hit + num_slots - request.num_computed_tokens,
+                                        limit, False)
+        new_blocks = self._allocate(request, num_slots, lookahead, step, hit_blocks)
         if new_blocks is None:
             return False
         manager.release_adopted(request.request_id)  # its hits hold them now
@@ -539,7 +598,7 @@ class Scheduler:
 
     def _build_output(self, step: _Step, queries: int, hits: int) -> SchedulerOutput:
         scheduled = [self._scheduled_request(rid, n, rid in step.new_requests,
-                                             step.drafts.get(rid, ()))
+                                             step.drafts.get(rid, ()), step.lookahead.get(rid, 0))
                      for rid, n in step.num_new.items()]
         num_decode = sum(s.num_tokens for s in scheduled if self._is_decode(s))
         num_batched = sum(s.num_tokens for s in scheduled)
@@ -572,10 +631,10 @@ class Scheduler:
         return tuple(written)
 
     def _scheduled_request(self, request_id: str, num_new: int, is_new: bool,
-                           drafts: Sequence[int] = ()) -> ScheduledRequest:
+                           drafts: Sequence[int] = (), lookahead: int = 0) -> ScheduledRequest:
         """The step's delta for one request: its blocks since it was last
-        scheduled (all of them when new; a table only grows while running)
-        and its draft tokens."""
+        scheduled (all of them when new; a table only grows while running),
+        its draft tokens and the drafts it proposes after."""
         request = self.requests[request_id]
         start = request.num_computed_tokens
         manager = self.kv_cache_manager
@@ -586,7 +645,7 @@ class Scheduler:
             request_id=request_id, num_tokens=num_new, start_position=start,
             new_block_ids=tuple(manager.get_block_ids(request_id, sent)),
             sample=known_end == request.num_tokens_with_placeholders, is_new=is_new,
-            spec_token_ids=tuple(drafts))
+            spec_token_ids=tuple(drafts), num_lookahead_tokens=lookahead)
 
     def _is_decode(self, scheduled: ScheduledRequest) -> bool:
         request = self.requests[scheduled.request_id]
@@ -597,7 +656,9 @@ class Scheduler:
     # ----------------------------------------------------- update_from_output
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled: Mapping[str, Sequence[int]]) -> list[RequestUpdate]:
+                           sampled: Mapping[str, Sequence[int]],
+                           drafts: Mapping[str, Sequence[int]] | None = None
+                           ) -> list[RequestUpdate]:
         """Apply the runner's results of ``scheduler_output`` (steps in order).
 
         For every request that sampled in it and is still live: replace one
@@ -607,8 +668,10 @@ class Scheduler:
         finished or aborted since the schedule are skipped: their tokens are
         dropped. A request preempted since keeps its token (see the module
         docstring). A sampling request missing from ``sampled`` finishes with
-        an error. Returns an update per request that got tokens or finished,
-        in scheduled order.
+        an error. ``drafts`` (request id -> token ids) are the draft model's
+        proposals for the requests' next steps; a request that is no longer
+        running drops its own. Returns an update per request that got tokens
+        or finished, in scheduled order.
         """
         updates = []
         for scheduled in scheduler_output.scheduled:
@@ -624,6 +687,9 @@ class Scheduler:
             update = self._apply_sampled(request, tokens)
             if running and update.finish_reason is None:
                 self.kv_cache_manager.cache_computed_blocks(request)
+                if drafts and request.request_id in drafts:
+                    request.spec = request.spec or SpecState()
+                    request.spec.draft_token_ids = list(drafts[request.request_id])
             updates.append(update)
         return updates
 

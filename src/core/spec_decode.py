@@ -74,6 +74,8 @@ class SpecState:
     enabled: bool = True
     recent: deque = field(default_factory=lambda: deque(maxlen=OFF_WINDOW))
     cooldown: int = 0  # plain steps left before it speculates again
+    #: The draft model's proposal for the next step (``draft_model`` method).
+    draft_token_ids: list[int] = field(default_factory=list)
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

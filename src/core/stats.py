@@ -159,7 +159,7 @@ def _r(value: float | None) -> float | None:
 
 
 #: The phases of one engine step, in the order they happen.
-STEP_PHASES = ("schedule", "prepare", "forward", "sample", "emit")
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "draft", "emit")
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,7 @@ class StepTimes:
     - ``prepare``: the runner's request-state update and batch building.
     - ``forward``: the model's forward pass.
     - ``sample``: sampling and logprobs.
+    - ``draft``: the draft model's passes (``draft_model`` speculation).
     - ``emit``: applying the sampled tokens (``update_from_output``) and
       sending the token deltas to the detokenizer (scheduler actor).
     """
@@ -178,6 +179,7 @@ class StepTimes:
     prepare: float = 0.0
     forward: float = 0.0
     sample: float = 0.0
+    draft: float = 0.0
     emit: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
@@ -330,7 +332,8 @@ class EngineStatsSnapshot:
         """``"total 123.4 ms (schedule 1.0, prepare 0.5, ...)"``, or ``"-"``."""
         if not self.num_steps or not self.step_ms:
             return "-"
-        parts = ", ".join(f"{phase} {ms:.1f}" for phase, ms in self.step_ms.items())
+        parts = ", ".join(f"{phase} {ms:.1f}" for phase, ms in self.step_ms.items()
+                          if ms or phase != "draft")  # draft: only with a draft model
         return f"{sum(self.step_ms.values()):.1f} ms ({parts})"
 
     def log_fields(self) -> dict[str, Any]:

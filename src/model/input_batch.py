@@ -129,6 +129,10 @@ class InputBatch:
         self.token_ids[row, start:start + len(token_ids)] = token_ids
         self.num_tokens[row] = start + len(token_ids)
 
+    def num_tokens_of(self, request_id: str) -> int:
+        """How many tokens the request's row holds."""
+        return int(self.num_tokens[self.row_of[request_id]])
+
     def truncate_tokens(self, request_id: str, num_tokens: int) -> None:
         """Forget the request's last ``num_tokens`` tokens (draft tokens
         appended only to build a step)."""

@@ -14,7 +14,7 @@ supplies the kernels. Covers the ``llama``, ``mistral`` and ``qwen2``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from kvserve.config import ModelConfig
 from kvserve.model.ggml_blocks import BlockQuantizedWeight, concat_rows
 from kvserve.model.ops import Ops, build_rope_cache
 from kvserve.model.quantization import LinearWeight, quantize_weight
+
+if TYPE_CHECKING:
+    from kvserve.model.input_batch import BatchInputs
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,17 @@ class LlamaModel:
         by calling it on slices.
         """
         return self.ops.linear(hidden, self.lm_head)
+
+    def batch_hidden_states(self, batch: BatchInputs, kv_caches: list[Any]) -> Any:
+        """``hidden_states`` of a host-built flat batch (``InputBatch.build``):
+        its arrays moved to the backend; [R, H] for its ``logits_indices``."""
+        to = self.ops.to_device
+        attn = AttentionMetadata(slot_mapping=to(batch.slot_mapping),
+                                 block_tables=to(batch.block_tables),
+                                 seq_lens=to(batch.seq_lens),
+                                 query_start_loc=to(batch.query_start_loc))
+        return self.hidden_states(to(batch.input_ids), to(batch.positions), attn, kv_caches,
+                                  to(batch.logits_indices))
 
     def hidden_states(self, input_ids: Any, positions: Any, attn: AttentionMetadata,
                       kv_caches: list[Any], logits_indices: Any) -> Any:

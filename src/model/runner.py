@@ -23,10 +23,11 @@ from kvserve.config import ModelConfig
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.distributed.kv_connector import KVConnector, TransferResult
 from kvserve.model.input_batch import BatchInputs, InputBatch
+from kvserve.model.drafter import DraftProposer
 from kvserve.model.llama import AttentionMetadata, LlamaModel
 from kvserve.model.ops import Ops
 from kvserve.model.sampler import LogprobEntry, SamplingState, prompt_logprobs, sample
-from kvserve.model.spec_decode import verify_drafts
+from kvserve.model.spec_decode import verify_drafts, verify_rejection
 from kvserve.structured.masks import StructuredOutputs
 
 
@@ -43,17 +44,21 @@ class ModelRunnerOutput:
     -> one entry per new token for requests that asked; ``prompt_logprobs``
     maps request id -> one entry per prompt token (None for the first), sent
     once, in the step that samples the request's first token (chunked prefill
-    gathers them over several steps); ``prepare_seconds`` (request states and
-    batch building), ``forward_seconds`` and ``sample_seconds`` are
-    wall-clock seconds of the three phases.
+    gathers them over several steps); ``draft_token_ids`` maps request id ->
+    the draft model's proposal for its next step (``num_lookahead_tokens``);
+    ``prepare_seconds`` (request states and batch building),
+    ``forward_seconds`` and ``sample_seconds`` are wall-clock seconds of the
+    three phases, ``draft_seconds`` of the draft model's passes.
     """
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[LogprobEntry | None]] = field(default_factory=dict)
     prepare_seconds: float = 0.0
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
+    draft_seconds: float = 0.0
     #: The step's KV transfers (``kvserve.distributed.kv_connector``), or None.
     kv_transfer: TransferResult | None = None
 
@@ -73,13 +78,16 @@ class ModelRunner:
             (None: such requests run unconstrained; the engine always gives one).
         kv_connector: copies the steps' KV transfers (offload tier, exports,
             imports) before their forward passes; None when there are none.
+        drafter: the draft model of ``draft_model`` speculation, run after
+            each step's sampling; None without one.
     """
 
     def __init__(self, model_config: ModelConfig, model: LlamaModel, ops: Ops,
                  num_blocks: int, block_size: int,
                  logprobs_mode: str = "processed_logprobs", seed: int = 0,
                  structured: StructuredOutputs | None = None,
-                 kv_connector: KVConnector | None = None) -> None:
+                 kv_connector: KVConnector | None = None,
+                 drafter: DraftProposer | None = None) -> None:
         self.config = model_config
         self.model = model
         self.ops = ops
@@ -95,6 +103,7 @@ class ModelRunner:
         self._generator = np.random.default_rng(seed)
         self.structured = structured
         self.kv_connector = kv_connector
+        self.drafter = drafter
         #: Requests of a failed step: the step scheduled behind it (async
         #: scheduling) may still hold them; they are skipped until the
         #: scheduler reports them finished.
@@ -141,9 +150,14 @@ class ModelRunner:
         t1 = time.perf_counter()
         self._gather_prompt_logprobs(prompt_rows, hidden[num_logits:])
         output = self._sample(batch, logits, spec_rows)
+        t2 = time.perf_counter()
+        if self.drafter is not None:
+            output.draft_token_ids = self.drafter.propose(self.input_batch, scheduled,
+                                                          output.sampled, self.states)
         output.kv_transfer = transfer
         output.prepare_seconds = t0 - t_start
-        output.forward_seconds, output.sample_seconds = t1 - t0, time.perf_counter() - t1
+        output.forward_seconds, output.sample_seconds = t1 - t0, t2 - t1
+        output.draft_seconds = time.perf_counter() - t2
         return output
 
     def _build(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
@@ -244,6 +258,8 @@ class ModelRunner:
             self.states.pop(chunk.request_id, None)
             if self.structured is not None:
                 self.structured.remove(chunk.request_id)
+            if self.drafter is not None:
+                self.drafter.forget([chunk.request_id])
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the step's deltas to the input batch and the sampling states."""
@@ -254,6 +270,8 @@ class ModelRunner:
             self.states.pop(request_id, None)
             if self.structured is not None:
                 self.structured.remove(request_id)
+        if self.drafter is not None:
+            self.drafter.forget(scheduler_output.finished_request_ids)
         for new in scheduler_output.new_requests:
             self.states[new.request_id] = SamplingState.create(
                 new.sampling_params, list(new.prompt_token_ids), list(new.output_token_ids),
@@ -264,13 +282,7 @@ class ModelRunner:
 
     def _forward(self, batch: BatchInputs):
         """Backend hidden states [R, H] of the batch's logits rows."""
-        to = self.ops.to_device
-        attn = AttentionMetadata(slot_mapping=to(batch.slot_mapping),
-                                 block_tables=to(batch.block_tables),
-                                 seq_lens=to(batch.seq_lens),
-                                 query_start_loc=to(batch.query_start_loc))
-        return self.model.hidden_states(to(batch.input_ids), to(batch.positions), attn,
-                                        self.kv_caches, to(batch.logits_indices))
+        return self.model.batch_hidden_states(batch, self.kv_caches)
 
     def _sample(self, batch: BatchInputs, logits: np.ndarray,
                 spec_rows: dict[str, tuple[list[int], tuple[int, ...]]]) -> ModelRunnerOutput:
@@ -286,10 +298,20 @@ class ModelRunner:
             for rid, token, entry in zip(ids, tokens, entries):
                 self._emit(output, rid, [token], entry)
         for rid, (rows_of, drafts) in spec_rows.items():
-            tokens = verify_drafts(logits[self.xp.asarray(rows_of)], drafts, self.states[rid],
-                                   self.xp)
-            self._emit(output, rid, tokens, None)
+            self._emit(output, rid, self._verify(rid, logits[self.xp.asarray(rows_of)], drafts),
+                       None)
         return output
+
+    def _verify(self, rid: str, logits, drafts: tuple[int, ...]) -> list[int]:
+        """A speculating request's tokens: rejection sampling against the
+        draft model's distributions when it drew the drafts at random, else
+        ``verify_drafts`` (n-gram, argmax or trimmed drafts)."""
+        proposal = self.drafter.take(rid) if self.drafter is not None else None
+        if (proposal is not None and proposal.probs is not None
+                and proposal.token_ids[:len(drafts)] == drafts):
+            return verify_rejection(logits, drafts, proposal.probs[:len(drafts)],
+                                    self.states[rid], self.xp)
+        return verify_drafts(logits, drafts, self.states[rid], self.xp)
 
     def _emit(self, output: ModelRunnerOutput, rid: str, tokens: list[int],
               entry: LogprobEntry | None) -> None:

@@ -318,6 +318,19 @@ def kept_mask(x: Array, warp: Warpers, xp: ModuleType = np,
     return mask
 
 
+def warped_probs(x: Array, warp: Warpers, xp: ModuleType = np,
+                 candidates: int | None = None) -> Array:
+    """float64[R, V]: the distribution ``sample_random`` draws each row of
+    processed float32[R, V] logits ``x`` from (temperature, then the kept
+    set of ``kept_mask``, normalized); what rejection sampling compares
+    (``kvserve.model.spec_decode``)."""
+    keep = kept_mask(x, warp, xp, candidates)
+    w = _weights(x, warp.temperature, x.max(axis=1).astype(np.float64) / warp.temperature, xp)
+    w *= keep
+    w /= w.sum(axis=1, keepdims=True)
+    return w
+
+
 # ---------------------------------------------------------------- logprobs
 
 

@@ -4,7 +4,7 @@ accounting through preemption and aborts. Plain integers, block size 4."""
 
 import pytest
 
-from kvserve.config import SchedulerConfig, SpeculativeConfig
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core import spec_decode
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
@@ -196,9 +196,107 @@ def test_a_stop_token_among_accepted_drafts_ends_the_request_there():
     assert sched.kv_cache_manager.num_free_blocks == 64
 
 
-@pytest.mark.parametrize("bad", ['{"method": "draft_model", "model": "x"}',
+@pytest.mark.parametrize("bad", ['{"method": "draft_model"}',
+                                 '{"method": "ngram", "model": "x"}',
+                                 '{"method": "draft_model", "model": "x", "quantization": "q3"}',
                                  '{"method": "ngram", "num_speculative_tokens": 0}',
                                  '{"method": "medusa"}', '{"k": 3}', "not json"])
 def test_bad_speculative_configs_are_refused(bad):
     with pytest.raises(ValueError):
         SpeculativeConfig.from_json(bad)
+
+
+# ------------------------------------------------------------ draft model
+
+
+def make_draft(k=3, num_blocks=64, budget=64, max_model_len=256):
+    spec = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=k)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8,
+                             max_model_len=max_model_len, async_scheduling=False,
+                             speculative=spec)
+    return Scheduler(config, KVCacheManager(num_blocks, BS), BS)
+
+
+def test_a_prompt_last_chunk_gets_lookahead_slots_and_the_next_step_verifies_its_drafts():
+    sched = make_draft(k=3)
+    sched.add_request(req("r", range(100, 110)))  # 10 tokens: 3 blocks of 4
+    out = sched.schedule()
+    chunk = out.scheduled[0]
+    assert (chunk.num_tokens, chunk.sample, chunk.num_lookahead_tokens) == (10, True, 3)
+    assert len(chunk.new_block_ids) == 4  # positions 0-12: the draft writes 10, 11 and 12
+    sched.update_from_output(out, {"r": [7]}, drafts={"r": [8, 9, 11]})
+    out = sched.schedule()
+    chunk = out.scheduled[0]
+    assert chunk.spec_token_ids == (8, 9, 11)
+    assert (chunk.start_position, chunk.num_tokens, chunk.num_lookahead_tokens) == (10, 4, 3)
+    # positions 10-13 verified; with every draft accepted the draft writes 14, 15 and 16
+    assert sched.kv_cache_manager.num_request_blocks("r") == 5
+    sched.update_from_output(out, {"r": [8, 42]}, drafts={"r": [1, 2, 3]})
+    request = sched.requests["r"]
+    assert request.output_token_ids == [7, 8, 42] and request.num_computed_tokens == 12
+    assert sched.take_spec_stats().num_accepted_tokens == 1
+    assert sched.schedule().scheduled[0].spec_token_ids == (1, 2, 3)
+    sched.kv_cache_manager.check_consistency()
+
+
+def test_no_lookahead_for_chunks_that_do_not_sample_or_requests_that_cannot_speculate():
+    sched = make_draft(k=3, budget=8)
+    sched.add_request(req("long", range(100, 112)))
+    sched.add_request(req("penalized", range(200, 204), presence_penalty=0.5))
+    out = sched.schedule()
+    by_id = {c.request_id: c for c in out.scheduled}
+    assert by_id["long"].num_lookahead_tokens == 0 and not by_id["long"].sample
+    assert by_id.get("penalized") is None or by_id["penalized"].num_lookahead_tokens == 0
+
+
+def test_lookahead_slots_never_preempt_and_are_freed_with_the_request():
+    sched = make_draft(k=3, num_blocks=3)
+    sched.add_request(req("r", range(100, 112), max_tokens=1))  # exactly 3 blocks
+    out = sched.schedule()
+    assert out.scheduled[0].num_lookahead_tokens == 0  # no room for them: none asked
+    assert not out.preemptions
+    sched.update_from_output(out, {"r": [7]})
+    assert sched.kv_cache_manager.num_free_blocks == 3
+    sched.kv_cache_manager.check_consistency()
+
+
+def test_drafts_of_a_request_preempted_since_are_dropped():
+    sched = make_draft(k=3)
+    sched.add_request(req("r", range(100, 110)))
+    out = sched.schedule()
+    sched.update_from_output(out, {"r": [7]}, drafts={"r": [8, 9, 11]})
+    sched._preempt(sched.requests["r"], type("S", (), {"num_new": {}, "preemptions": [],
+                                                        "budget": 0})())
+    out = sched.schedule()  # resumed: recomputes prompt + output, no stale drafts
+    chunk = out.scheduled[0]
+    assert not chunk.spec_token_ids and chunk.start_position + chunk.num_tokens == 11
+    sched.update_from_output(out, {"r": [12]})
+    sched.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    assert sched.kv_cache_manager.num_free_blocks == 64
+    sched.kv_cache_manager.check_consistency()
+
+
+def test_a_draft_model_may_not_share_the_offload_tier():
+    spec = SpeculativeConfig(method="draft_model", model="draft")
+    with pytest.raises(ValueError, match="offload tier"):
+        EngineConfig(model="m", cache=CacheConfig(kv_offloading_size=1.0),
+                     scheduler=SchedulerConfig(speculative=spec))
+
+
+def test_disable_by_batch_size_stops_drafts_and_lookahead_while_the_batch_is_large():
+    spec = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=3,
+                             disable_by_batch_size=2)
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
+                             async_scheduling=False, speculative=spec)
+    sched = Scheduler(config, KVCacheManager(64, BS), BS)
+    sched.add_request(req("a", range(100, 110)))
+    out = sched.schedule()
+    assert out.scheduled[0].num_lookahead_tokens == 3  # alone: below the limit
+    sched.update_from_output(out, {"a": [7]}, drafts={"a": [8, 9, 11]})
+    sched.add_request(req("b", range(200, 210)))
+    out = sched.schedule()  # two running: nobody speculates or proposes
+    assert all(not c.spec_token_ids and not c.num_lookahead_tokens for c in out.scheduled)
+    sched.update_from_output(out, {"a": [8], "b": [5]})
+    sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    out = sched.schedule()  # alone again: proposes for the next step
+    assert out.scheduled[0].num_lookahead_tokens == 3

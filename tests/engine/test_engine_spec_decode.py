@@ -67,18 +67,25 @@ def test_golden_and_repetitive_prompts_equal_plain_decoding(default_engine, spec
     spec_engine.assert_all_blocks_free()
 
 
-def test_batched_with_requests_that_do_not_speculate(default_engine, spec_engine):
-    prompts = repetitive_prompts(spec_engine)
+def assert_batched_equals_alone(engine, reference) -> None:
+    """The repetitive prompts, each plain, with a presence penalty and with
+    logprobs (the last two never speculate), all in one batch on ``engine``,
+    give ``reference(prompt, params)``'s tokens; no block leaks."""
+    prompts = repetitive_prompts(engine)
     params = [greedy(MAX_TOKENS), greedy(MAX_TOKENS, presence_penalty=0.5),
               greedy(MAX_TOKENS, logprobs=1)]
 
     async def together():
-        return await asyncio.gather(*(spec_engine.agenerate(p, q)
-                                      for p in prompts for q in params))
-    batched = spec_engine.run(together())
-    alone = [default_engine.generate(p, q).only.token_ids for p in prompts for q in params]
-    assert [r.only.token_ids for r in batched] == alone
-    spec_engine.assert_all_blocks_free()
+        return await asyncio.gather(*(engine.agenerate(p, q) for p in prompts for q in params))
+    batched = engine.run(together())
+    assert [r.only.token_ids for r in batched] == \
+        [reference(p, q) for p in prompts for q in params]
+    engine.assert_all_blocks_free()
+
+
+def test_batched_with_requests_that_do_not_speculate(default_engine, spec_engine):
+    assert_batched_equals_alone(
+        spec_engine, lambda prompt, params: default_engine.generate(prompt, params).only.token_ids)
 
 
 def test_chunked_prefill_and_preemption_in_between(default_engine, tight_spec_engine):

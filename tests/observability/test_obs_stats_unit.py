@@ -95,7 +95,8 @@ def test_step_phases_in_stats_line_and_metrics():
                           total_preemptions=0)
     assert snap.busy_fraction == pytest.approx(0.214)
     assert snap.step_ms == pytest.approx({"schedule": 1.0, "prepare": 2.0, "forward": 100.0,
-                                          "sample": 5.0, "emit": 3.0})
+                                          "sample": 5.0, "draft": 0.0, "emit": 3.0})
+    # the draft phase shows only with a draft model
     assert "Busy: 21%, Step: 111.0 ms (schedule 1.0, prepare 2.0, forward 100.0, sample 5.0, " \
            "emit 3.0)" in snap.message()
     assert snap.log_fields()["step_ms"]["forward"] == 100.0
