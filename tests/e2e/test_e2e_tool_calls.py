@@ -5,9 +5,12 @@ against the tool's schema (``jsonschema``), greedy and sampled, streamed
 and not; ``none`` gives none; the history (an assistant's calls, a tool's
 result, a ``developer`` message) renders through the template.
 
-``auto`` leaves the model free and parses its answer. The default 135M
-model never writes a call on its own (it answers in prose), so the parser
-behind ``auto`` is tested without a model (``tests/api/test_api_tools.py``).
+``auto`` leaves the model free and parses its answer. Asked cold, the
+default 135M model answers in prose (the parser behind ``auto`` is also
+tested without a model, ``tests/api/test_api_tools.py``); in a conversation
+where the assistant already answered a question of the same kind with a
+call, it calls the tool again for the next one, and ``auto`` returns that
+call in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def client(live_server):
 
 def calls_of(client, stream: bool, **kwargs) -> tuple[list[tuple[str, dict]], str]:
     """``[(name, arguments)]`` and the finish reason, read the client's way."""
-    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, **kwargs)
+    kwargs = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 80, **kwargs}
     if not stream:
         choice = client.chat.completions.create(**kwargs).choices[0]
         calls = choice.message.tool_calls or []
@@ -86,6 +89,23 @@ def test_auto_answers_and_parses(client) -> None:
                                               max_tokens=30, temperature=0.0)
     message = response.choices[0].message
     assert message.content or message.tool_calls
+
+
+#: A conversation that calls for a tool: the assistant answered the same
+#: kind of question with a call (its result not back yet), and the user asks
+#: the next one.
+FOLLOW_UP = [*ASK, {"role": "assistant", "content": None, "tool_calls": [{
+    "id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "user", "content": "What is the weather like in London?"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_calls_the_tool_when_the_conversation_calls_for_it(client, stream) -> None:
+    calls, finish = calls_of(client, stream, messages=FOLLOW_UP, tool_choice="auto",
+                             temperature=0.0)
+    assert calls == [("get_weather", {"city": "London"})] and finish == "tool_calls"
+    jsonschema.validate(calls[0][1], SCHEMAS["get_weather"])
 
 
 def test_history_with_calls_results_and_developer_renders(http) -> None:
