@@ -429,9 +429,11 @@ class Scheduler:
         return limit is not None and self._num_requests_at_step_start >= limit
 
     def _draft(self, request: Request, budget: int, limit: int) -> list[int]:
-        """The n-gram draft of a decoding request, no longer than the budget,
-        its ``max_tokens`` and the context length leave room for (the step
-        also computes its last known token and samples one past the drafts)."""
+        """The draft of a decoding request -- its n-gram lookup, or the draft
+        model's proposal that came back with its latest token -- no longer
+        than the budget, its ``max_tokens`` and the context length leave room
+        for (the step also computes its last known token and samples one past
+        the drafts)."""
         spec = self.config.speculative
         max_tokens = request.sampling_params.max_tokens
         room = min(spec.num_speculative_tokens, budget - 1, limit - request.num_tokens - 1)
