@@ -106,6 +106,7 @@ class EngineHandle:
         self.loop = loop
         self.engine = engine
         self._ids = itertools.count()
+        self._references: dict[tuple, list[int]] = {}
 
     @property
     def tokenizer(self):
@@ -156,6 +157,15 @@ class EngineHandle:
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  request_id: str | None = None) -> Result:
         return self.run(self.agenerate(prompt_ids, params, request_id))
+
+    def reference_tokens(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The tokens of one request run alone, computed once per prompt and
+        parameters for the session (references that several modules compare
+        against; deterministic for greedy and seeded requests only)."""
+        key = (tuple(prompt_ids), params)
+        if key not in self._references:
+            self._references[key] = self.generate(prompt_ids, params).only.token_ids
+        return self._references[key]
 
     def generate_all(self, prompts: Sequence[Sequence[int]], params: SamplingParams
                      ) -> list[Result]:

@@ -23,17 +23,6 @@ from kvserve.core.sampling_params import SamplingParams
 pytestmark = pytest.mark.model
 
 
-_REFERENCES: dict[tuple, list[int]] = {}
-
-
-def reference(default_engine, prompt: list[int], params: SamplingParams) -> list[int]:
-    """Plain decoding's tokens, computed once per prompt and parameters."""
-    key = (tuple(prompt), params)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = default_engine.generate(prompt, params).only.token_ids
-    return _REFERENCES[key]
-
-
 def draft_spec(model_path: str) -> SpeculativeConfig:
     return SpeculativeConfig(method="draft_model", model=model_path, num_speculative_tokens=4,
                              quantization="int8")
@@ -55,12 +44,12 @@ def tight_draft_engine(engine_loop, default_model_path):
 def test_golden_and_repetitive_prompts_equal_plain_decoding(default_engine, draft_engine):
     cases = golden_cases()
     assert cases, "the golden cases are required"
-    for case in cases:  # alone: always speculating; the reference is llama.cpp's output
+    for case in cases:  # alone: always speculating; the reference is transformers' output
         output = draft_engine.generate(case["prompt_token_ids"], greedy(case["case"]["max_tokens"]))
         assert output.only.token_ids == case["output_token_ids"], case["case"]["name"]
     for prompt in repetitive_prompts(draft_engine):
         assert draft_engine.generate(prompt, greedy(MAX_TOKENS)).only.token_ids == \
-            reference(default_engine, prompt, greedy(MAX_TOKENS))
+            default_engine.reference_tokens(prompt, greedy(MAX_TOKENS))
     drafted = spec_metric(draft_engine, "spec_decode_num_draft_tokens")
     accepted = spec_metric(draft_engine, "spec_decode_num_accepted_tokens")
     # The int8 draft agrees with the float model on most greedy tokens; a draft
@@ -72,14 +61,14 @@ def test_golden_and_repetitive_prompts_equal_plain_decoding(default_engine, draf
 
 def test_batched_with_requests_that_do_not_speculate(default_engine, draft_engine):
     assert_batched_equals_alone(
-        draft_engine, lambda prompt, params: reference(default_engine, prompt, params))
+        draft_engine, default_engine.reference_tokens)
 
 
 def test_chunked_prefill_and_preemption_in_between(default_engine, tight_draft_engine):
     unique = repetitive_prompts(tight_draft_engine)
     params = greedy(MAX_TOKENS, ignore_eos=True)
     batched = tight_draft_engine.generate_all(unique * 2, params)
-    expected = [reference(default_engine, p, params) for p in unique]
+    expected = [default_engine.reference_tokens(p, params) for p in unique]
     assert [r.only.token_ids for r in batched] == expected * 2
     assert tight_draft_engine.engine.scheduler.total_preemptions > 0, \
         "test precondition: the small cache preempted"
@@ -95,7 +84,7 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(defa
     for i, prompt in enumerate(repetitive_prompts(draft_engine)):
         params = SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=MAX_TOKENS)
         assert draft_engine.generate(prompt, params).only.token_ids == \
-            reference(default_engine, prompt, params)
+            default_engine.reference_tokens(prompt, params)
     assert spec_metric(draft_engine, "spec_decode_num_accepted_tokens") > before
 
 
