@@ -11,6 +11,8 @@ argmax differs from the float model's now and then, so rejections happen."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from golden import golden_cases
 from test_engine_spec_decode import (MAX_TOKENS, assert_batched_equals_alone,
@@ -44,8 +46,11 @@ def tight_draft_engine(engine_loop, default_model_path):
 def test_golden_and_repetitive_prompts_equal_plain_decoding(default_engine, draft_engine):
     cases = golden_cases()
     assert cases, "the golden cases are required"
-    for case in cases:  # alone: always speculating; the reference is transformers' output
-        output = draft_engine.generate(case["prompt_token_ids"], greedy(case["case"]["max_tokens"]))
+
+    async def together():  # all speculate: their drafts are accepted, so none switches off
+        return await asyncio.gather(*(draft_engine.agenerate(
+            case["prompt_token_ids"], greedy(case["case"]["max_tokens"])) for case in cases))
+    for case, output in zip(cases, draft_engine.run(together())):  # vs transformers' output
         assert output.only.token_ids == case["output_token_ids"], case["case"]["name"]
     for prompt in repetitive_prompts(draft_engine):
         assert draft_engine.generate(prompt, greedy(MAX_TOKENS)).only.token_ids == \
