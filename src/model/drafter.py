@@ -77,6 +77,9 @@ def load_draft_model(spec: SpeculativeConfig, target: ModelConfig, target_path: 
             tokenizer.json.
     """
     path = Path(spec.model or "")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the draft model folder {path} has no config.json "
+                                "(speculative config 'model')")
     config = load_model_config(path)
     if config.vocab_size != target.vocab_size or _vocab(path) != _vocab(target_path):
         raise ValueError(f"the draft model {path} has another tokenizer than the target "
