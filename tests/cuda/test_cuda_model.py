@@ -31,7 +31,8 @@ from test_forward_reference import (  # noqa: E402
 from tiny_llama import SPECS, load_tiny, write_byte_tokenizer  # noqa: E402
 
 from kvserve.actors.messages import GenerateRequest, RequestOutput  # noqa: E402
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from kvserve.config import (CacheConfig, EngineConfig, SchedulerConfig,  # noqa: E402
+                            SpeculativeConfig)
 from kvserve.core.request import Request  # noqa: E402
 from kvserve.core.sampling_params import SamplingParams  # noqa: E402
 from kvserve.cpu.ops import CpuOps  # noqa: E402
@@ -109,16 +110,18 @@ async def _generate(engine: AsyncEngine, prompt_ids: list[int], max_tokens: int)
     return tokens
 
 
-def _engine_tokens(folder: Path, backend: str, prompt_ids: list[int]) -> list[int]:
+def _engine_tokens(folder: Path, backend: str, prompt_ids: list[int], max_tokens: int = 4,
+                   speculative: SpeculativeConfig | None = None) -> list[int]:
     config = EngineConfig(model=str(folder), backend=backend,
                           cache=CacheConfig(block_size=4, kv_cache_memory=64 * 4 * 2 * 2 * 32 * 4),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4))
+                          scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4,
+                                                    speculative=speculative))
 
     async def run():
         engine = await AsyncEngine.start(config, stats_interval=0)
         try:
             assert engine.core.backend.name == backend
-            return await asyncio.wait_for(_generate(engine, prompt_ids, 4), timeout=120)
+            return await asyncio.wait_for(_generate(engine, prompt_ids, max_tokens), timeout=120)
         finally:
             await engine.shutdown()
 
@@ -132,6 +135,16 @@ def test_engine_serves_a_request_on_the_simulated_cuda_backend(tmp_path):
     on_cuda = _engine_tokens(tmp_path, "cuda", prompt)
     assert len(on_cuda) == 4
     assert on_cuda == _engine_tokens(tmp_path, "cpu", prompt)
+
+
+def test_a_draft_model_on_the_simulated_cuda_backend_keeps_greedy_output(tmp_path):
+    """The drafter's passes, its KV cache and the verification run on CudaOps."""
+    load_tiny(tmp_path, SPECS[0])
+    write_byte_tokenizer(tmp_path)
+    prompt = list(range(2, 14))
+    spec = SpeculativeConfig(method="draft_model", model=str(tmp_path), num_speculative_tokens=2)
+    on_cuda = _engine_tokens(tmp_path, "cuda", prompt, max_tokens=6, speculative=spec)
+    assert on_cuda == _engine_tokens(tmp_path, "cpu", prompt, max_tokens=6)
 
 
 def test_backend_cuda_without_a_gpu_is_one_clear_line(tmp_path):
