@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from kvserve.config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineConfig,
                             SchedulerConfig, ServerConfig, SpeculativeConfig, parse_size)
@@ -150,9 +151,17 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         fault_injection=getattr(args, "fault_injection", None))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error on two lines (the error, then where the
+    flags are listed) rather than the whole usage block first."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\nSee '{self.prog} --help' for the options.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvserve`` argument parser with its sub-commands."""
-    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve LLM serving engine")
+    parser = _Parser(prog="kvserve", description="kvserve LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_engine_args(serve)
@@ -335,11 +344,16 @@ def _die(message: str) -> None:
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:
-    """argparse type of ``--speculative-config`` (a usage error names the problem)."""
+    """argparse type of ``--speculative-config`` (a usage error names the
+    problem, a missing draft checkpoint included, before any model loads)."""
     try:
-        return SpeculativeConfig.from_json(text)
+        config = SpeculativeConfig.from_json(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if config.uses_draft_model and not (Path(config.model) / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"'model': {config.model} is not a checkpoint folder "
+                                         "(no config.json in it)")
+    return config
 
 
 def _resolve_replica_roles(args: argparse.Namespace) -> None:

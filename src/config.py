@@ -132,8 +132,8 @@ class SpeculativeConfig:
     and shortest suffix (tokens) searched for. ``quantization``
     (``draft_model``, vLLM's key): the draft's weights, as the engine's
     ``quantization``; ``none`` by default. ``disable_by_batch_size`` (vLLM's
-    key): no request speculates while at least this many are running (None:
-    no limit), since a full batch already reads the weights once for many
+    key): no request speculates while at least this many are running or
+    waiting (None: no limit), since a full batch already reads the weights once for many
     tokens and a draft model's passes then cost more than they save.
     Raises ``ValueError`` naming the bad field.
     """
@@ -152,8 +152,9 @@ class SpeculativeConfig:
                              f"got {self.method!r}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("method 'draft_model' needs 'model': the draft checkpoint's folder")
-        if self.method == "ngram" and self.model is not None:
-            raise ValueError("'model' is for method 'draft_model'; 'ngram' needs none")
+        if self.method == "ngram" and (self.model is not None or self.quantization != "none"):
+            raise ValueError("'model' and 'quantization' are for method 'draft_model'; "
+                             "'ngram' needs neither")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
@@ -187,8 +188,9 @@ class SpeculativeConfig:
             raise ValueError(f"unknown keys {unknown}; known: {sorted(known)}")
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                     "disable_by_batch_size"):
-            if data.get(key) is not None and (not isinstance(data[key], int)
-                                              or isinstance(data[key], bool)):
+            if key not in data or (key == "disable_by_batch_size" and data[key] is None):
+                continue
+            if not isinstance(data[key], int) or isinstance(data[key], bool):
                 raise ValueError(f"{key} must be an integer")
         for key in ("method", "model", "quantization"):
             if key in data and not isinstance(data[key], str):

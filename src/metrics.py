@@ -371,7 +371,8 @@ class EngineMetrics:
         self.iteration_tokens.observe(step.num_tokens)
         self.busy.inc(step.seconds)
         for phase, seconds in step.times.as_dict().items():
-            self.phases[phase].observe(seconds)
+            if seconds or phase != "draft":  # draft: only steps that ran a draft model
+                self.phases[phase].observe(seconds)
         if step.num_prefill_tokens:
             self.prompt_tokens_computed.inc(step.num_prefill_tokens)
 

@@ -181,7 +181,8 @@ class AdmissionActor(Actor):
 
     def _abort(self, message: AbortRequest) -> None:
         """Finish queued requests here; forward the others to the scheduler."""
-        forward = []
+        forward, counts = [], []
+        kept = dict(zip(message.request_ids, message.num_output_tokens))
         for request_id in message.request_ids:
             request = self.queue.remove(request_id)
             if request is not None:
@@ -189,8 +190,11 @@ class AdmissionActor(Actor):
             elif request_id in self.released:
                 self.abort_pending[request_id] = message.reason
                 forward.append(request_id)
+                counts.append(kept.get(request_id))
         if forward:
-            self.scheduler.send(AbortRequest(tuple(forward), message.reason))
+            known = None not in counts
+            self.scheduler.send(AbortRequest(tuple(forward), message.reason,
+                                             tuple(counts) if known else ()))
         self._release(answer=False)
 
     def _finish_here(self, request: Request, reason: str) -> None:

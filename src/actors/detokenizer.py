@@ -135,8 +135,10 @@ class DetokenizerActor(Actor):
         if text.stopped and finish_reason in (None, "length"):
             # A stop string in the last allowed token wins over the length
             # limit, as in vLLM and the OpenAI API.
+            _drop_tokens_after(sample, text.stop_end, len(delta.new_token_ids))
             if finish_reason is None and self.admission is not None:
-                self.admission.send(AbortRequest((delta.request_id,), reason="stop"))
+                self.admission.send(AbortRequest((delta.request_id,), reason="stop",
+                                                 num_output_tokens=(sample.num_output_tokens,)))
             finish_reason = "stop"
         if finish_reason is not None:
             del self._samples[delta.request_id]
@@ -179,3 +181,20 @@ class DetokenizerActor(Actor):
             logprobs=tuple(logprobs) or None, error=delta.error,
             text_offsets=tuple(min(offset, end) for offset in offsets),
             prompt_logprobs=prompt_logprobs))
+
+
+def _drop_tokens_after(sample: _Sample, stop_end: int | None, num_new: int) -> None:
+    """Forget the tokens of the latest delta (``num_new`` of them) that start
+    at or after ``stop_end`` (characters): a speculative step can accept
+    several tokens past the one that completed a stop string, and those are
+    no more part of the output than the tokens a later step would sample."""
+    if stop_end is None:
+        return
+    extra = sum(1 for offset in sample.pending_offsets[-num_new:] if offset >= stop_end)
+    if not extra:
+        return
+    kept = len(sample.pending_ids) - extra
+    if len(sample.pending_logprobs) > kept:
+        del sample.pending_logprobs[kept:]
+    del sample.pending_ids[kept:], sample.pending_offsets[kept:]
+    sample.num_output_tokens -= extra

@@ -84,10 +84,15 @@ class AbortRequest:
 
     ``reason`` is ``"abort"`` or ``"stop"`` (a stop string matched; then the
     request finishes normally with finish_reason ``stop``).
+    ``num_output_tokens``: for a stop, the tokens each request's output kept
+    (up to the one that completed the stop string), aligned with
+    ``request_ids``; its lifecycle log reports these rather than the tokens
+    the engine had computed by then. Empty: not known.
     """
 
     request_ids: tuple[str, ...]
     reason: str = "abort"
+    num_output_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvserve.actors.base import Actor
 from kvserve.actors.messages import (
@@ -157,8 +157,12 @@ class SchedulerActor(Actor):
             self._emit(updates)
         else:  # the detokenizer already ended the stream
             self._finished += [u.request_id for u in updates]
+            kept = dict(zip(message.request_ids, message.num_output_tokens))
             if self.observer is not None:
                 for update in updates:
+                    count = kept.get(update.request_id)
+                    if count is not None:  # the tokens its output kept
+                        update = replace(update, num_output_tokens=count)
                     self.observer.on_update(update, emitted=False)
         self._refresh_load()
 

@@ -619,7 +619,10 @@ class Renderer:
     ``tool_calls``: chat answers are parsed for tool calls
     (``kvserve.api.tools``): they become ``message.tool_calls`` (streamed as
     ``delta.tool_calls``, one complete call per delta) and the finish reason
-    ``tool_calls``.
+    ``tool_calls``. ``forced_tool_calls`` (``required`` or a named
+    function): a grammar made the answer nothing but calls, so it has no
+    content -- a block cut off by ``max_tokens`` is dropped, not returned
+    as text.
     """
 
     kind: Literal["chat", "completion"]
@@ -635,6 +638,7 @@ class Renderer:
     prompt_token_ids: tuple[int, ...] = ()
     hidden_token_ids: frozenset[int] = frozenset()
     tool_calls: bool = False  # parse <tool_call> blocks out of chat answers
+    forced_tool_calls: bool = False  # the answer is calls only (required / named)
     continuous_usage: bool = False  # usage so far in every chunk
     _streamed: dict[int, ChoiceState] = field(default_factory=dict)
 
@@ -698,8 +702,12 @@ class Renderer:
             out["message"] = {"role": "assistant", "content": text, "refusal": None}
             if self.tool_calls:
                 content, calls = parse_tool_calls(text)
+                if self.forced_tool_calls:
+                    out["message"]["content"] = None
                 if calls:
-                    out["message"].update(content=content, tool_calls=calls)
+                    out["message"].update(tool_calls=calls)
+                    if not self.forced_tool_calls:
+                        out["message"]["content"] = content
                     finish = "tool_calls" if finish == "stop" else finish
         else:
             out["text"] = self._echo_prefix() + text
@@ -746,6 +754,8 @@ class Renderer:
         calls: list[dict[str, Any]] = []
         if self.kind == "chat" and self.tool_calls:
             text, calls, finish = self._tool_delta(state, text, finish)
+            if self.forced_tool_calls:
+                text = ""
         if not text and not calls and logprobs is None and finish is None:
             return None
         choice: dict[str, Any] = {"index": output.index}

@@ -597,7 +597,9 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
                         token_bytes=token_bytes_for(engine), echo=echo,
                         echo_text=inputs.get("prompt") if echo else None,
                         hidden_token_ids=_hidden_ids(engine, params),
-                        tool_calls=isinstance(body, ChatCompletionRequest) and body.tools_active)
+                        tool_calls=isinstance(body, ChatCompletionRequest) and body.tools_active,
+                        forced_tool_calls=(isinstance(body, ChatCompletionRequest)
+                                           and body.forced_tool()[0]))
     if config.log_prompts:
         log.info("api_request_prompt", request_id=request_id, prompt=inputs.get("prompt"),
                  prompt_token_ids=inputs.get("prompt_token_ids"),

@@ -85,7 +85,8 @@ def _call_body(call: dict[str, Any]) -> dict[str, Any]:
 def tool_grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool
                  ) -> StructuredOutputsParams:
     """The grammar of ``tool_choice: "required"`` (``name`` None: one call,
-    or if ``parallel`` up to one per tool, to any of ``tools``) or of a named
+    or if ``parallel`` up to as many as there are tools, each to any of
+    ``tools``) or of a named
     function (exactly one call to it): ``<tool_call>`` blocks whose JSON
     matches the function's ``parameters`` schema, and nothing else. The
     bound on parallel calls keeps a small model from repeating calls until

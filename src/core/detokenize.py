@@ -20,11 +20,14 @@ REPLACEMENT_CHAR = "\ufffd"
 @dataclass(frozen=True)
 class DetokenizedDelta:
     """Text released by one update: ``text`` to send, and whether a stop
-    string matched (``stopped``; then ``stop_str`` is the match)."""
+    string matched (``stopped``; then ``stop_str`` is the match and
+    ``stop_end`` the character offset just past it in the output text, so
+    that tokens starting there or later are not part of the output)."""
 
     text: str
     stopped: bool = False
     stop_str: str | None = None
+    stop_end: int | None = None
 
 
 class IncrementalDetokenizer:
@@ -60,9 +63,10 @@ class IncrementalDetokenizer:
         self.text += self._decode_new(flush=finished)
         match = self._find_stop(start)
         if match is not None:
-            cut, stop_str = match
-            self.text = self.text[:cut]
-            return DetokenizedDelta(self._release(len(self.text)), True, stop_str)
+            index, stop_str = match
+            stop_end = index + len(stop_str)
+            self.text = self.text[:stop_end if self._include_stop else index]
+            return DetokenizedDelta(self._release(len(self.text)), True, stop_str, stop_end)
         end = len(self.text) if finished else max(self._emitted, len(self.text) - self._holdback)
         return DetokenizedDelta(self._release(end))
 
@@ -76,16 +80,13 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text):]
 
     def _find_stop(self, start: int) -> tuple[int, str] | None:
-        """Earliest stop string that ends in the new text; (cut index, stop)."""
+        """Earliest stop string that ends in the new text; (its index, stop)."""
         best: tuple[int, str] | None = None
         for stop in self._stop:
             index = self.text.find(stop, max(0, start - len(stop) + 1))
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)
-        if best is None:
-            return None
-        index, stop = best
-        return (index + len(stop) if self._include_stop else index), stop
+        return best
 
     def _release(self, end: int) -> str:
         text = self.text[self._emitted:end]

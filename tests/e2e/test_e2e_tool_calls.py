@@ -79,6 +79,21 @@ def test_forced_tool_calls_always_parse_and_validate(client, stream, temperature
             jsonschema.validate(arguments, SCHEMAS[name])
 
 
+def test_a_forced_answer_cut_by_max_tokens_has_no_content(client) -> None:
+    """``required`` lets the model call each tool; at 64 tokens its second
+    call is cut off: the first comes back as a call, the cut one is dropped
+    rather than returned as ``<tool_call>`` text."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                  max_tokens=64, temperature=0.0)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    content = [chunk.choices[0].delta.content
+               for chunk in client.chat.completions.create(stream=True, **kwargs)
+               if chunk.choices and chunk.choices[0].delta.content]
+    assert content == []
+
+
 def test_tool_choice_none_gives_no_calls(client) -> None:
     calls, finish = calls_of(client, False, tool_choice="none", temperature=0.0)
     assert calls == [] and finish in ("stop", "length")
