@@ -198,6 +198,8 @@ def test_a_stop_token_among_accepted_drafts_ends_the_request_there():
 
 @pytest.mark.parametrize("bad", ['{"method": "draft_model"}',
                                  '{"method": "ngram", "model": "x"}',
+                                 '{"method": "ngram", "quantization": "int8"}',
+                                 '{"method": "ngram", "num_speculative_tokens": null}',
                                  '{"method": "draft_model", "model": "x", "quantization": "q3"}',
                                  '{"method": "ngram", "num_speculative_tokens": 0}',
                                  '{"method": "medusa"}', '{"k": 3}', "not json"])
@@ -300,3 +302,15 @@ def test_disable_by_batch_size_stops_drafts_and_lookahead_while_the_batch_is_lar
     sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     out = sched.schedule()  # alone again: proposes for the next step
     assert out.scheduled[0].num_lookahead_tokens == 3
+
+
+def test_a_missing_draft_folder_is_a_usage_error_before_any_model_loads(tmp_path, capsys):
+    from kvserve.cli import build_parser
+
+    spec = '{"method": "draft_model", "model": "%s"}' % (tmp_path / "missing")
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", "--speculative-config", spec])
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].endswith("is not a checkpoint folder (no config.json in it)"), lines
+    assert len(lines) == 2 and "--help" in lines[1]
