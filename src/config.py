@@ -133,8 +133,9 @@ class SpeculativeConfig:
     (``draft_model``, vLLM's key): the draft's weights, as the engine's
     ``quantization``; ``none`` by default. ``disable_by_batch_size`` (vLLM's
     key): no request speculates while at least this many are running or
-    waiting (None: no limit), since a full batch already reads the weights once for many
-    tokens and a draft model's passes then cost more than they save.
+    waiting (None: no limit), since a full batch already reads the weights
+    once for many tokens and a draft model's passes then cost more than they
+    save.
     Raises ``ValueError`` naming the bad field.
     """
 
@@ -193,10 +194,12 @@ class SpeculativeConfig:
             if not isinstance(data[key], int) or isinstance(data[key], bool):
                 raise ValueError(f"{key} must be an integer")
         for key in ("method", "model", "quantization"):
-            if key in data and not isinstance(data[key], str):
+            if data.get(key) is not None and not isinstance(data[key], str):
                 raise ValueError(f"{key} must be a string")
-        if data.get("quantization") is None:
-            data.pop("quantization", None)
+        if data.get("quantization", "") is None:  # null: the default
+            del data["quantization"]
+        if data.get("method", "") is None:
+            raise ValueError("method must be a string")
         return cls(**data)
 
 

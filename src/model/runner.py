@@ -22,8 +22,8 @@ import numpy as np
 from kvserve.config import ModelConfig
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.distributed.kv_connector import KVConnector, TransferResult
-from kvserve.model.input_batch import BatchInputs, InputBatch
 from kvserve.model.drafter import DraftProposer
+from kvserve.model.input_batch import BatchInputs, InputBatch
 from kvserve.model.llama import AttentionMetadata, LlamaModel
 from kvserve.model.ops import Ops
 from kvserve.model.sampler import LogprobEntry, SamplingState, prompt_logprobs, sample

@@ -200,6 +200,7 @@ def test_a_stop_token_among_accepted_drafts_ends_the_request_there():
                                  '{"method": "ngram", "model": "x"}',
                                  '{"method": "ngram", "quantization": "int8"}',
                                  '{"method": "ngram", "num_speculative_tokens": null}',
+                                 '{"method": null}', '{"method": "draft_model", "model": 5}',
                                  '{"method": "draft_model", "model": "x", "quantization": "q3"}',
                                  '{"method": "ngram", "num_speculative_tokens": 0}',
                                  '{"method": "medusa"}', '{"k": 3}', "not json"])
@@ -314,3 +315,8 @@ def test_a_missing_draft_folder_is_a_usage_error_before_any_model_loads(tmp_path
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].endswith("is not a checkpoint folder (no config.json in it)"), lines
     assert len(lines) == 2 and "--help" in lines[1]
+
+
+def test_null_model_and_quantization_mean_their_defaults():
+    assert SpeculativeConfig.from_json('{"method": "ngram", "model": null, "quantization": null}') \
+        == SpeculativeConfig()
