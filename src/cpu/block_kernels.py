@@ -38,9 +38,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-# Imported for its side effect: it selects Numba's threading
-# layer, which the parallel kernels rely on.
-from kvserve.cpu import kernels as _kernels  # noqa: F401
+# Importing kernels also selects Numba's threading layer, which the
+# parallel kernels rely on; _store4 is the tile store the float GEMV uses.
+from kvserve.cpu.kernels import _store4
 
 #: Input channels per block (ggml's QK).
 QK = 32
@@ -98,13 +98,7 @@ def _panel_dots(x, p0, p1, p2, p3, n0, hi, out):
             a1 += xk * p1[k]
             a2 += xk * p2[k]
             a3 += xk * p3[k]
-        out[m, n0] = a0
-        if n0 + 1 < hi:
-            out[m, n0 + 1] = a1
-        if n0 + 2 < hi:
-            out[m, n0 + 2] = a2
-        if n0 + 3 < hi:
-            out[m, n0 + 3] = a3
+        _store4(out, m, n0, hi, a0, a1, a2, a3)
 
 
 @njit(nogil=True, cache=True)
