@@ -87,7 +87,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     model = LlamaModel(model_config, weights, backend.ops, config.quantization)
     del weights
     spec = config.scheduler.speculative
-    draft = (load_draft_model(spec, model_config, path, backend.ops)
+    draft = (load_draft_model(spec, model_config, tokenizer, backend.ops)
              if spec is not None and spec.uses_draft_model else None)
     weights_bytes = model.weights_nbytes + (draft.weights_nbytes if draft is not None else 0)
     if config.quantization != "none":

@@ -562,8 +562,8 @@ class Scheduler:
             num_new = self._capped(num_new)
         num_slots = num_loaded * self.block_size + num_new
         limit = request.max_model_len or self.config.max_model_len
-        lookahead = self._num_lookahead(request, num_hit + num_slots - request.num_computed_tokens,
-                                        limit, False)
+        lookahead = self._num_lookahead(request, num_hit + num_slots, limit,  # none computed yet
+                                        False)
         new_blocks = self._allocate(request, num_slots, lookahead, step, hit_blocks)
         if new_blocks is None:
             return False

@@ -53,6 +53,7 @@ from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weigh
 from kvserve.model.ops import Ops
 from kvserve.model.sampler import SamplingState, _warpers
 from kvserve.model.spec_decode import draw_from
+from kvserve.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Proposal:
     probs: np.ndarray | None
 
 
-def load_draft_model(spec: SpeculativeConfig, target: ModelConfig, target_path: Path,
+def load_draft_model(spec: SpeculativeConfig, target: ModelConfig, target_tokenizer: Tokenizer,
                      ops: Ops) -> LlamaModel:
     """The draft checkpoint of ``spec.model``, on the target's backend with
     ``spec.quantization`` weights.
@@ -81,10 +82,10 @@ def load_draft_model(spec: SpeculativeConfig, target: ModelConfig, target_path: 
         raise FileNotFoundError(f"the draft model folder {path} has no config.json "
                                 "(speculative config 'model')")
     config = load_model_config(path)
-    if config.vocab_size != target.vocab_size or _vocab(path) != _vocab(target_path):
-        raise ValueError(f"the draft model {path} has another tokenizer than the target "
-                         f"{target_path} (vocab sizes {config.vocab_size} and "
-                         f"{target.vocab_size}); speculation needs the same token ids")
+    if config.vocab_size != target.vocab_size or _vocab(path) != target_tokenizer.vocab():
+        raise ValueError(f"the draft model {path} has another tokenizer than the served model "
+                         f"(vocab sizes {config.vocab_size} and {target.vocab_size}); "
+                         "speculation needs the same token ids")
     weights = load_weights(path, config, dtype=None)
     if spec.quantization == "q4":
         weights.update(load_gguf_blocks(path, config))
@@ -92,8 +93,9 @@ def load_draft_model(spec: SpeculativeConfig, target: ModelConfig, target_path: 
 
 
 def _vocab(path: Path) -> dict[str, int]:
+    """Token string -> id of the checkpoint's tokenizer.json."""
     from tokenizers import Tokenizer as HFTokenizer
-    return HFTokenizer.from_file(str(path / "tokenizer.json")).get_vocab()
+    return HFTokenizer.from_file(str(path / "tokenizer.json")).get_vocab(with_added_tokens=True)
 
 
 class DraftProposer:

@@ -91,6 +91,10 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     @property
     def bos_token_id(self) -> int | None:
         """Id of the BOS token named in tokenizer_config.json, or None."""

@@ -10,6 +10,7 @@ from kvserve.config import SpeculativeConfig
 from kvserve.cpu.ops import CpuOps
 from kvserve.model.drafter import load_draft_model
 from kvserve.model.loader import load_model_config
+from kvserve.model.tokenizer import Tokenizer
 
 
 def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path):
@@ -18,7 +19,8 @@ def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path):
                                                        TinySpec("d", vocab_size=600)))
     spec = SpeculativeConfig(method="draft_model", model=str(draft))
     with pytest.raises(ValueError, match="another tokenizer"):
-        load_draft_model(spec, load_model_config(target), target, CpuOps(num_threads=1))
+        load_draft_model(spec, load_model_config(target), Tokenizer(target),
+                         CpuOps(num_threads=1))
 
 
 def test_a_draft_model_of_the_same_tokenizer_loads(tmp_path):
@@ -26,7 +28,8 @@ def test_a_draft_model_of_the_same_tokenizer_loads(tmp_path):
     draft = write_tiny_checkpoint(tmp_path / "draft", TinySpec("d", num_key_value_heads=4))
     shutil.copy(target / "tokenizer.json", draft / "tokenizer.json")
     spec = SpeculativeConfig(method="draft_model", model=str(draft), quantization="int8")
-    model = load_draft_model(spec, load_model_config(target), target, CpuOps(num_threads=1))
+    model = load_draft_model(spec, load_model_config(target), Tokenizer(target),
+                         CpuOps(num_threads=1))
     assert model.config.num_key_value_heads == 4 and model.quantization == "int8"
 
 
