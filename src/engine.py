@@ -163,7 +163,8 @@ def _log_speculative(sched) -> None:
                          f"({spec.quantization}), up to {spec.num_speculative_tokens} draft "
                          "tokens per step")
         return
-    log.info("speculative_config", method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
+    log.info("speculative_config", method=spec.method,
+             num_speculative_tokens=spec.num_speculative_tokens,
              prompt_lookup_max=spec.prompt_lookup_max, prompt_lookup_min=spec.prompt_lookup_min,
              message=f"Speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} "
                      f"draft tokens per step (suffixes of {spec.prompt_lookup_min}-"
@@ -377,8 +378,9 @@ class AsyncEngine:
     def expect_kv_export(self, request_id: str) -> asyncio.Future:
         """A future for the K/V a request with ``SamplingParams.export_kv``
         exports when it finishes: a ``kv_connector.ExportedKV`` (its full
-        prompt blocks' hashes and K/V), or None if the export failed. Call before ``generate``; await only if the request finished
-        with ``length`` or ``stop`` (an aborted or failed one exports nothing)."""
+        prompt blocks' hashes and K/V), or None if the export failed. Call
+        before ``generate``; await only if the request finished with
+        ``length`` or ``stop`` (an aborted or failed one exports nothing)."""
         future = asyncio.get_running_loop().create_future()
         self._kv_exports[request_id] = future
         return future
