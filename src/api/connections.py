@@ -19,7 +19,14 @@ these, as timers and a count on uvicorn's own per-connection protocol object
   started (nginx's ``client_header_timeout`` / ``client_body_timeout`` have
   the same job, there as per-read timers);
 - **connections**: above ``max_connections`` open connections a new one is
-  answered 503 and closed before anything is read from it.
+  answered 503 and closed before anything is read from it;
+- **framing**: a request whose body length is ambiguous (RFC 9112, section
+  6.3: both ``Content-Length`` and ``Transfer-Encoding``; section 6.1:
+  ``Transfer-Encoding`` in HTTP/1.0) is answered 400 and the connection
+  closed before the app sees it, so no request hidden in its body runs
+  (request smuggling). h11 itself rejects the other ambiguities (two
+  different ``Content-Length`` values, a ``Transfer-Encoding`` other than
+  ``chunked`` alone); every such 400 gets the JSON error body too.
 
 The header-size bound of a head that arrives whole is ``HeaderSizeLimit``,
 an ASGI middleware (h11 bounds only a head that is still incomplete).
@@ -54,6 +61,48 @@ def raw_error_response(status: int, reason: str, message: str, type_: str) -> by
     return head.encode("ascii") + body
 
 
+def framing_problem(request: h11.Request) -> str | None:
+    """Why ``request``'s message framing is ambiguous, or None when it is not.
+
+    Only what h11 (0.16) lets through: ``Content-Length`` with
+    ``Transfer-Encoding`` (RFC 9112, section 6.3, item 3: "ought to be
+    handled as an error"; a server "MUST close the connection after
+    responding") and ``Transfer-Encoding`` in an HTTP/1.0 request (section
+    6.1: "MUST treat the message as if the framing is faulty"). h11 gives
+    header names in lower case.
+    """
+    names = {name for name, _ in request.headers}
+    if b"transfer-encoding" not in names:
+        return None
+    if b"content-length" in names:
+        return "The request has both Content-Length and Transfer-Encoding."
+    if request.http_version == b"1.0":
+        return "Transfer-Encoding is not allowed in an HTTP/1.0 request."
+    return None
+
+
+class FramingCheckedConnection(h11.Connection):
+    """h11's server connection that also rejects the requests of
+    ``framing_problem``, as h11 rejects a malformed one: ``next_event``
+    raises ``h11.RemoteProtocolError`` (uvicorn then answers 400 and
+    closes). ``rejection`` keeps the reason of the last rejection, h11's
+    own included, for the response body."""
+
+    rejection: str | None = None
+
+    def next_event(self):  # type: ignore[override]
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as exc:
+            self.rejection = str(exc)
+            raise
+        problem = framing_problem(event) if isinstance(event, h11.Request) else None
+        if problem is not None:
+            self.rejection = problem
+            raise h11.RemoteProtocolError(problem, 400)
+        return event
+
+
 class _RefusalLog:
     """Counts refused connections; logs at most one line per interval."""
 
@@ -84,6 +133,14 @@ class GuardedH11Protocol(H11Protocol):
 
     limits: ServerConfig = ServerConfig()
     refusals: _RefusalLog = _RefusalLog()
+
+    def __init__(self, config, server_state, app_state, _loop=None) -> None:
+        """uvicorn's set-up, with h11's connection replaced by a
+        ``FramingCheckedConnection`` of the same size bound."""
+        super().__init__(config, server_state, app_state, _loop)
+        size = config.h11_max_incomplete_event_size  # as uvicorn builds its connection
+        self.conn = FramingCheckedConnection(
+            h11.SERVER, **({} if size is None else {"max_incomplete_event_size": size}))
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -139,19 +196,26 @@ class GuardedH11Protocol(H11Protocol):
             return
         log.info("request_timeout", phase=phase, timeout_s=seconds,
                  client=f"{self.client[0]}:{self.client[1]}" if self.client else None)
-        if self.cycle is not None and self.cycle.response_started:
-            self.transport.close()  # the app answered already (say, 401 before the body)
-            return
         self._refuse(408, "Request Timeout", f"The request {phase} did not arrive within "
                      f"{seconds:g} s.", "timeout")
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 (or ``FramingCheckedConnection``)
+        rejects: 400 with the reason in an OpenAI-shaped JSON body, then close."""
+        reason = self.conn.rejection  # type: ignore[attr-defined]  # set in __init__
+        self._refuse(400, "Bad Request", f"Invalid HTTP request: {reason or msg}",
+                     "invalid_request_error")
+
     def _refuse(self, status: int, reason: str, message: str, type_: str) -> None:
         """Answer ``status`` and close; a request the app is reading sees a
-        disconnect (its later sends are dropped)."""
-        if self.cycle is not None:
-            self.cycle.disconnected = True
-            self.cycle.message_event.set()
-        self.transport.write(raw_error_response(status, reason, message, type_))
+        disconnect (its later sends are dropped). If the app's response has
+        started already (say, 401 before the body), only close."""
+        cycle = self.cycle
+        if cycle is not None:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if cycle is None or not cycle.response_started or cycle.response_complete:
+            self.transport.write(raw_error_response(status, reason, message, type_))
         self.transport.close()
 
 

@@ -194,3 +194,68 @@ def test_a_head_growing_past_the_bound_in_pieces_is_refused(server: ServerThread
                 break
         response = read_until_closed(sock, SLACK)
     assert status_of(response) == 400
+
+
+#: A complete request smuggled in the body of the one before it.
+SMUGGLED = b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+def ambiguous_request(framing: list[bytes]) -> bytes:
+    """A POST whose ``framing`` headers disagree on where its body ends; read
+    as chunked the body is empty and ``SMUGGLED`` is the next request."""
+    body = b"0\r\n\r\n" + SMUGGLED
+    head = [b"POST /v1/completions HTTP/1.1", b"host: x",
+            b"content-type: application/json",
+            *(line.replace(b"{len}", str(len(body)).encode()) for line in framing)]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize("framing", [
+    [b"content-length: {len}", b"transfer-encoding: chunked"],
+    [b"Transfer-Encoding: Chunked", b"Content-Length: {len}"],
+    [b"CONTENT-LENGTH: {len}", b"TRANSFER-ENCODING: CHUNKED"],
+    [b"content-length: {len}", b"transfer-encoding: gzip, chunked"],
+    [b"transfer-encoding: chunked, gzip"],
+    [b"transfer-encoding: chunked", b"transfer-encoding: chunked"],
+    [b"content-length: {len}", b"content-length: 5"],
+    [b"content-length: 5, {len}"],
+], ids=["cl-te", "te-cl-mixed-case", "upper-case", "te-gzip-chunked", "te-chunked-not-last",
+        "two-te", "two-cl", "cl-list"])
+def test_ambiguous_framing_gets_400_and_the_connection_closes(
+        server: ServerThread, framing: list[bytes]) -> None:
+    """RFC 9112, section 6.3: a request whose framing is ambiguous is answered
+    400 and the connection closed; the request hidden in its body never runs."""
+    with server.connect() as sock:
+        sock.sendall(ambiguous_request(framing))
+        response = read_until_closed(sock, SLACK)
+    assert response.count(b"HTTP/1.1 ") == 1, response  # no second response
+    assert status_of(response) == 400
+    assert b"connection: close" in response.lower()
+    assert error_of(response)["type"] == "invalid_request_error"
+    assert status_of(get(server)) == 200
+
+
+def chunked_completion(version: bytes) -> bytes:
+    """A valid completion request with a chunked body."""
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    return (b"POST /v1/completions HTTP/" + version + b"\r\nhost: x\r\nconnection: close\r\n"
+            b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+            + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
+
+
+def test_a_lone_chunked_request_is_still_served(server: ServerThread) -> None:
+    """Transfer-Encoding: chunked alone (HTTP/1.1) is unambiguous and allowed."""
+    with server.connect() as sock:
+        sock.sendall(chunked_completion(b"1.1"))
+        response = read_until_closed(sock, SLACK)
+    assert status_of(response) == 200
+
+
+def test_transfer_encoding_in_http_1_0_gets_400(server: ServerThread) -> None:
+    """RFC 9112, section 6.1: an HTTP/1.0 message with Transfer-Encoding has
+    faulty framing (an HTTP/1.0 intermediary may not have understood it)."""
+    with server.connect() as sock:
+        sock.sendall(chunked_completion(b"1.0"))
+        response = read_until_closed(sock, SLACK)
+    assert status_of(response) == 400
+    assert "HTTP/1.0" in error_of(response)["message"]
