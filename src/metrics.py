@@ -2,10 +2,12 @@
 
 The only module that imports ``prometheus_client``. Every engine owns one
 ``EngineMetrics`` with its own ``CollectorRegistry`` (so several engines in
-one process, as in the tests, never collide); ``metrics_route`` serves it as
-``GET /metrics`` in the Prometheus text format. Every series carries the
-label ``model_name`` (the served model name), so a vLLM dashboard ports by
-renaming the prefix ``vllm:`` to ``kvserve:``.
+one process, as in the tests, never collide); the HTTP server owns one
+``ServerMetrics`` (HTTP requests, the process's CPU, memory and file
+descriptors), on a registry of its own too; ``metrics_route`` serves both as
+``GET /metrics`` in the Prometheus text format. Every engine series carries
+the label ``model_name`` (the served model name), so a vLLM dashboard ports
+by renaming the prefix ``vllm:`` to ``kvserve:``.
 
 Definitions follow vLLM's documentation (docs "Production Metrics" and the
 "Metrics" design doc); see ``kvserve.core.stats`` for the time stamps. The
@@ -16,7 +18,7 @@ engine core (the detokenizer and HTTP add a little on top of that).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import prometheus_client
@@ -191,6 +193,10 @@ class EngineMetrics:
                              "Number of requests waiting to be scheduled (new or preempted).")
         self.kv_usage = gauge("kv_cache_usage_perc",
                               "KV-cache usage: fraction of KV blocks in use, 0..1 (1 = 100%).")
+        self.stall = gauge("engine_stall_seconds",
+                           "Seconds the engine has had requests running or waiting without "
+                           "finishing a step (0 while idle or progressing; /health answers "
+                           "503 from --stall-timeout on). kvserve-specific.")
         self.prompt_tokens = counter(
             "prompt_tokens", "Number of prompt tokens of the requests that started "
             "generating (all of each prompt, prefix-cache hits included, as vLLM counts).")
@@ -381,6 +387,10 @@ class EngineMetrics:
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
 
+    def set_stall(self, seconds: float) -> None:
+        """``engine_stall_seconds`` (``kvserve.core.stall``)."""
+        self.stall.set(seconds)
+
     # ------------------------------------------------------------ exposition
 
     def render(self) -> bytes:
@@ -388,13 +398,73 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
-def metrics_route(metrics: EngineMetrics):
-    """A Starlette ``Route`` for ``GET /metrics`` serving ``metrics``."""
+#: ``http_request_duration_seconds`` buckets: prometheus-fastapi-instrumentator's
+#: "highr" set (its labelled histogram has only 0.1, 0.5 and 1, too coarse
+#: for generation requests of seconds).
+HTTP_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
+                        3.0, 3.5, 4.0, 4.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """The HTTP server process's metrics, on a registry of its own.
+
+    - ``http_requests_total{handler,method,status}`` and
+      ``http_request_duration_seconds{handler,method}``: the names, labels
+      and status groups (``2xx``, ``4xx``, ...) of
+      prometheus-fastapi-instrumentator's defaults, which vLLM's server
+      exposes; ``observe_http`` is fed by ``kvserve.api.http_metrics``.
+    - ``kvserve:http_error_responses_total{status}``: responses of status
+      >= 400 by exact code (429 apart from 400 and 499), which the grouped
+      ``status`` hides. kvserve-specific.
+    - prometheus_client's process, platform and GC collectors
+      (``process_resident_memory_bytes``, ``process_cpu_seconds_total``,
+      ``process_open_fds``, ``python_info``, ``python_gc_*``), as on
+      prometheus_client's default registry that vLLM serves. Once per
+      server: with data parallelism they describe the API process (the
+      replicas' registries carry engine metrics only).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        prometheus_client.ProcessCollector(registry=self.registry)
+        prometheus_client.PlatformCollector(registry=self.registry)
+        prometheus_client.GCCollector(registry=self.registry)
+        self._requests = Counter(
+            "http_requests", "Total number of requests by method, status and handler.",
+            ["handler", "method", "status"], registry=self.registry)
+        self._duration = Histogram(
+            "http_request_duration_seconds", "Histogram of HTTP request latency in seconds: "
+            "from the request's arrival to its response's last byte, by handler and method.",
+            ["handler", "method"], registry=self.registry, buckets=HTTP_LATENCY_BUCKETS)
+        self._errors = Counter(
+            PREFIX + "http_error_responses", "HTTP responses with status >= 400, by exact "
+            "status code. kvserve-specific.", ["status"], registry=self.registry)
+
+    def observe_http(self, handler: str, method: str, status: int, seconds: float) -> None:
+        """One HTTP request answered ``status`` after ``seconds``; ``handler``
+        and ``method`` must come from a bounded set (a route's path template,
+        a known method), never straight from the client."""
+        self._requests.labels(handler, method, f"{status // 100}xx").inc()
+        self._duration.labels(handler, method).observe(seconds)
+        if status >= 400:
+            self._errors.labels(str(status)).inc()
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+def metrics_route(server: ServerMetrics,
+                  engine: EngineMetrics | Callable[[], Awaitable[str]]):
+    """A Starlette ``Route`` for ``GET /metrics``: the engine's metrics
+    (``EngineMetrics``, or a coroutine function giving the data-parallel
+    replicas' text), then ``server``'s."""
     from starlette.responses import Response
     from starlette.routing import Route
 
     async def endpoint(request) -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        text = engine.render() if isinstance(engine, EngineMetrics) else (await engine()).encode()
+        return Response(text + server.render(), media_type=CONTENT_TYPE_LATEST)
 
     return Route("/metrics", endpoint, methods=["GET"])
 

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from kvserve.metrics import EngineMetrics, parse_metrics_text
+from kvserve.metrics import EngineMetrics, ServerMetrics, parse_metrics_text
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "tools" / "grafana_dashboard.json"
 
@@ -27,9 +27,11 @@ def _exprs(node):
 def test_dashboard_references_only_exposed_metrics():
     dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
     assert dashboard["panels"]
-    exposed = set(parse_metrics_text(EngineMetrics("m").render().decode()))
+    server = ServerMetrics()
+    server.observe_http("/v1/completions", "POST", 429, 0.1)  # labelled series appear once used
+    exposed = set(parse_metrics_text((EngineMetrics("m").render() + server.render()).decode()))
     referenced = {name for expr in _exprs(dashboard)
-                  for name in re.findall(r"kvserve:[A-Za-z0-9_:]+", expr)}
+                  for name in re.findall(r"(?:kvserve:|http_|process_)[A-Za-z0-9_:]+", expr)}
     assert referenced, "the dashboard queries no kvserve metric"
     assert referenced <= exposed, sorted(referenced - exposed)
     # The issue's panels: TTFT/ITL/E2E quantiles, phases, running/waiting, KV,
@@ -41,3 +43,4 @@ def test_dashboard_references_only_exposed_metrics():
                    "prefix_cache_hits_total", "prefix_cache_queries_total",
                    "num_preemptions_total", "generation_tokens_total", "prompt_tokens_total"):
         assert f"kvserve:{needed}" in referenced, needed
+    assert "http_requests_total" in referenced  # issue 25's refusal rate

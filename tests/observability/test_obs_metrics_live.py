@@ -139,6 +139,28 @@ def test_metrics_after_streamed_requests(server, run):
             assert all(lab.get("model_name") == "SmolLM2-135M-Instruct" for lab, _ in rows), name
 
 
+def test_http_and_process_metrics(server, run):
+    """Issue 25: the N completions in ``http_requests_total`` (the scrapes
+    and health probes are not counted), and the process collector's series."""
+    before, after, _, _ = run
+    labels = {"handler": "/v1/completions", "method": "POST", "status": "2xx"}
+    assert value(after, "http_requests_total", **labels) - \
+        value(before, "http_requests_total", **labels) == N
+    assert value(after, "http_requests_total", handler="/metrics") == 0
+    assert value(after, "process_resident_memory_bytes") > 0
+    assert value(after, "process_open_fds") > 0
+
+
+def test_every_log_line_is_json(server, run):
+    """Issue 25: under --log-format json uvicorn's lines are JSON too."""
+    lines = server.stderr_path.read_text(encoding="utf-8").splitlines()
+    events = [json.loads(line) for line in lines]  # fails on any line that is not JSON
+    assert all({"event", "level", "timestamp"} <= set(e) for e in events)
+    uvicorn = [e["event"] for e in events if e.get("logger") == "uvicorn.error"]
+    assert any(text.startswith("Uvicorn running on http://127.0.0.1:") for text in uvicorn), \
+        uvicorn
+
+
 def _events(server: LiveServer) -> list[dict]:
     events = []
     for line in server.stderr_path.read_text(encoding="utf-8", errors="replace").splitlines():
