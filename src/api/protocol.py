@@ -9,19 +9,24 @@ Formats follow the OpenAI API reference:
   (the ``text_completion`` object, also used for its stream chunks).
 
 Requests are validated in strict mode (no ``"1"`` -> ``1`` coercion), so a
-wrong type is a 400 that names the field. Value ranges are checked once, by
-``SamplingParams``. Fields OpenAI defines but kvserve does not implement
-(``tools``, ...) are ignored, as vLLM does.
+wrong type is a 400 that names the field. A JSON ``null`` for an optional
+field means "unset" (its default), as OpenAI and vLLM read it. Value ranges
+are checked once, by ``SamplingParams``. Unknown fields are ignored, as vLLM
+does; a field OpenAI defines whose answer would differ (``best_of``) is
+refused rather than ignored.
 """
 
 from __future__ import annotations
 
+import functools
 import time
+import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvserve.actors.detokenizer import TokenOffsets
 from kvserve.actors.messages import RequestOutput
@@ -34,7 +39,41 @@ TokenBytes = Callable[[int], bytes]
 
 
 class _Model(BaseModel):
+    """A request object: strict types, unknown fields ignored (as OpenAI and
+    vLLM ignore them), and ``null`` for an optional field whose type has no
+    None taken as unset: the OpenAI reference marks such fields "Optional,
+    defaults to ..." and its clients send ``null`` for them (vLLM's
+    ``Optional`` fields read it the same way). A required field given
+    ``null`` stays an error naming it; a field typed ``X | None`` keeps
+    ``null`` as its value (``max_tokens: null``: no limit)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        unset = _unset_by_null(cls)
+        return {key: value for key, value in data.items() if value is not None or key not in unset}
+
+
+@functools.cache
+def _unset_by_null(model: type[BaseModel]) -> frozenset[str]:
+    """The JSON keys (aliases: ``schema``, ``json``) of ``model``'s optional
+    fields whose type does not admit None: a ``null`` there is left out."""
+    return frozenset(info.alias or name for name, info in model.model_fields.items()
+                     if not info.is_required() and not _admits_none(info.annotation))
+
+
+def _admits_none(annotation: Any) -> bool:
+    """True when a field typed ``annotation`` validates ``null`` itself."""
+    if annotation in (Any, None, type(None)):
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_admits_none(arg) for arg in typing.get_args(annotation))
+    return origin is Literal and None in typing.get_args(annotation)
 
 
 class TextPart(_Model):
@@ -198,7 +237,7 @@ class _CommonRequest(_Model):
             names = ", ".join(name for name, _ in found)
             raise ValueError(f"{found[1][0]}: only one structured-output constraint is allowed "
                              f"per request, got {names}")
-        return found[0][1] if found else None
+        return found[0][1].named(found[0][0]) if found else None
 
     def structured_outputs_field(self) -> str | None:
         """The name of the field that set the constraint (for a 400's ``param``)."""
@@ -355,6 +394,15 @@ class ChatCompletionRequest(_CommonRequest):
                 self.parallel_tool_calls)
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
 
+    def tool_reply(self) -> ToolReply | None:
+        """How the answer's tool calls are returned, or None when tools are
+        not active (no tools, or ``tool_choice: "none"``)."""
+        if not self.tools_active:
+            return None
+        forced, name = self.forced_tool()
+        return ToolReply(forced=forced, named=name is not None,
+                         parallel=self.parallel_tool_calls)
+
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template gets them: tool descriptions,
         calls and results in the Hermes format (``kvserve.api.tools``)."""
@@ -378,6 +426,9 @@ class CompletionRequest(_CommonRequest):
     (llama.cpp's name, a kvserve extension, default false): special-token
     strings in a text prompt (``<|im_start|>``) become control tokens;
     without it they are text, so a prompt cannot forge a chat turn.
+    ``best_of`` (``best_of`` samples, the ``n`` of highest mean log
+    probability returned) is not implemented: only ``best_of`` equal to
+    ``n`` (all samples returned) or null is taken (``check_best_of``).
     """
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -385,6 +436,7 @@ class CompletionRequest(_CommonRequest):
     logprobs: int | None = None
     echo: bool = False
     parse_special: bool = False
+    best_of: int | None = None
 
     def prompt_input(self) -> tuple[str | None, tuple[int, ...] | None]:
         """``(prompt_text, prompt_token_ids)``, exactly one set; ``ValueError``
@@ -401,11 +453,33 @@ class CompletionRequest(_CommonRequest):
             raise ValueError("prompt must not be empty")
         return None, tuple(prompt)
 
+    def check_best_of(self) -> None:
+        """``ValueError`` naming ``best_of`` unless it is null or equals ``n``.
+
+        OpenAI's legacy completions reference: "``best_of`` must be greater
+        than ``n``" (ranked server-side, only ``n`` returned; equal to ``n``
+        it changes nothing). kvserve does not rank samples, as vLLM V1
+        dropped ``best_of``: a request for it is refused rather than
+        quietly answered with ``n`` unranked samples.
+        """
+        if self.best_of is None or self.best_of == self.n:
+            return
+        if self.best_of < self.n:
+            raise ValueError(f"best_of must be greater than or equal to n, got best_of="
+                             f"{self.best_of} and n={self.n}")
+        raise ValueError(
+            f"best_of is not supported (got {self.best_of} with n={self.n}): kvserve does not "
+            "implement best_of (vLLM V1 removed it too). Request `n` completions with "
+            "`logprobs` and pick the best one client-side (e.g. by the mean of "
+            "token_logprobs).")
+
     def sampling_params(self) -> SamplingParams:
-        """Build ``SamplingParams``; raises ``ValueError`` for bad values.
+        """Build ``SamplingParams``; raises ``ValueError`` for bad values
+        (``best_of``: ``check_best_of``).
 
         ``echo`` with ``logprobs`` asks the engine for prompt logprobs too.
         """
+        self.check_best_of()
         prompt_logprobs = self.logprobs if self.echo else None
         return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
                               prompt_logprobs=prompt_logprobs, **self._sampling_kwargs())
@@ -433,10 +507,13 @@ class DetokenizeRequest(_Model):
     tokens: list[int]
 
 
-_FIELD_NAMES: frozenset[str] = frozenset().union(
-    *(model.model_fields for model in (ChatCompletionRequest, CompletionRequest,
-                                       ChatMessage, TextPart, StreamOptions,
-                                       TokenizeRequest, DetokenizeRequest)))
+def _request_models(base: type[_Model] = _Model) -> list[type[_Model]]:
+    return [m for sub in base.__subclasses__() for m in (sub, *_request_models(sub))]
+
+
+#: Every field name of a request object (aliases as sent), for ``param`` paths.
+_FIELD_NAMES: frozenset[str] = frozenset(
+    info.alias or name for model in _request_models() for name, info in model.model_fields.items())
 
 
 def validation_error_param(exc: ValidationError) -> tuple[str | None, str]:
@@ -605,6 +682,30 @@ def _merge_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, 
     return {key: first[key] + second[key] for key in first}
 
 
+@dataclass(frozen=True)
+class ToolReply:
+    """How a chat answer's tool calls come back (``tool_choice`` and
+    ``parallel_tool_calls`` of the request; OpenAI chat reference, and vLLM's
+    ``maybe_filter_parallel_tool_calls`` and ``resolve_finish_reason``).
+
+    ``forced`` (``required`` or a named function): a grammar made the answer
+    nothing but calls, so it has no content. ``named``: a named function;
+    the answer finishes with ``stop``, as OpenAI and vLLM report it, where
+    ``auto`` and ``required`` finish with ``tool_calls``. ``parallel`` false:
+    only the first complete call is returned (streamed: only ``index`` 0),
+    later ones are dropped and the content stays as it is.
+    """
+
+    forced: bool = False
+    named: bool = False
+    parallel: bool = True
+
+    def finish(self, finish: str | None, called: bool) -> str | None:
+        """The choice's ``finish_reason``: a ``stop`` after calls becomes
+        ``tool_calls``, except for a named function."""
+        return "tool_calls" if called and finish == "stop" and not self.named else finish
+
+
 @dataclass
 class Renderer:
     """Builds one endpoint's response objects (chat or completions).
@@ -616,13 +717,11 @@ class Renderer:
     the request. ``hidden_token_ids``: tokens the text leaves out (special
     tokens under ``skip_special_tokens``, e.g. the EOS ``<|im_end|>``), left
     out of chat logprobs too, so that their ``bytes`` join to the content.
-    ``tool_calls``: chat answers are parsed for tool calls
-    (``kvserve.api.tools``): they become ``message.tool_calls`` (streamed as
-    ``delta.tool_calls``, one complete call per delta) and the finish reason
-    ``tool_calls``. ``forced_tool_calls`` (``required`` or a named
-    function): a grammar made the answer nothing but calls, so it has no
-    content -- a block cut off by ``max_tokens`` is dropped, not returned
-    as text.
+    ``tools`` (set when tools are active): chat answers are parsed for tool
+    calls (``kvserve.api.tools``): they become ``message.tool_calls``
+    (streamed as ``delta.tool_calls``, one complete call per delta), as
+    ``ToolReply`` says; when the answer is forced to be calls, a block cut
+    off by ``max_tokens`` is dropped, not returned as text.
     """
 
     kind: Literal["chat", "completion"]
@@ -637,8 +736,7 @@ class Renderer:
     echo_text: str | None = None
     prompt_token_ids: tuple[int, ...] = ()
     hidden_token_ids: frozenset[int] = frozenset()
-    tool_calls: bool = False  # parse <tool_call> blocks out of chat answers
-    forced_tool_calls: bool = False  # the answer is calls only (required / named)
+    tools: ToolReply | None = None  # parse <tool_call> blocks out of chat answers
     continuous_usage: bool = False  # usage so far in every chunk
     _streamed: dict[int, ChoiceState] = field(default_factory=dict)
 
@@ -700,15 +798,17 @@ class Renderer:
         finish = choice.finish_reason
         if self.kind == "chat":
             out["message"] = {"role": "assistant", "content": text, "refusal": None}
-            if self.tool_calls:
+            if self.tools is not None:
                 content, calls = parse_tool_calls(text)
-                if self.forced_tool_calls:
+                if not self.tools.parallel:
+                    calls = calls[:1]
+                if self.tools.forced:
                     out["message"]["content"] = None
                 if calls:
                     out["message"].update(tool_calls=calls)
-                    if not self.forced_tool_calls:
+                    if not self.tools.forced:
                         out["message"]["content"] = content
-                    finish = "tool_calls" if finish == "stop" else finish
+                finish = self.tools.finish(finish, bool(calls))
         else:
             out["text"] = self._echo_prefix() + text
         out["logprobs"] = logprobs
@@ -752,9 +852,9 @@ class Renderer:
                             else _merge_logprobs(prompt_part, logprobs))
         finish = output.finish_reason
         calls: list[dict[str, Any]] = []
-        if self.kind == "chat" and self.tool_calls:
-            text, calls, finish = self._tool_delta(state, text, finish)
-            if self.forced_tool_calls:
+        if self.kind == "chat" and self.tools is not None:
+            text, calls, finish = self._tool_delta(self.tools, state, text, finish)
+            if self.tools.forced:
                 text = ""
         if not text and not calls and logprobs is None and finish is None:
             return None
@@ -770,10 +870,11 @@ class Renderer:
         return self.chunk(choice)
 
     @staticmethod
-    def _tool_delta(state: ChoiceState, text: str, finish: str | None
+    def _tool_delta(tools: ToolReply, state: ChoiceState, text: str, finish: str | None
                     ) -> tuple[str, list[dict[str, Any]], str | None]:
         """A chat delta's content, its completed tool calls (OpenAI's
-        ``delta.tool_calls`` items, with their ``index``) and finish reason."""
+        ``delta.tool_calls`` items, with their ``index``; only index 0
+        unless ``tools.parallel``) and finish reason."""
         stream = state.tool_stream = state.tool_stream or ToolCallStream()
         first = len(stream.calls_seen)
         content, calls = stream.feed(text)
@@ -781,10 +882,9 @@ class Renderer:
             content += stream.finish()
         if stream.calls_seen and not content.strip():
             content = ""  # the newlines between calls are not content
-        items = [{"index": first + i, **call} for i, call in enumerate(calls)]
-        if finish == "stop" and stream.calls_seen:
-            finish = "tool_calls"
-        return content, items, finish
+        items = [{"index": first + i, **call} for i, call in enumerate(calls)
+                 if tools.parallel or first + i == 0]
+        return content, items, tools.finish(finish, bool(stream.calls_seen))
 
     def usage_chunk(self, choices: Sequence[ChoiceState], num_prompt_tokens: int) -> dict[str, Any]:
         """The final ``include_usage`` chunk: ``choices: []`` plus ``usage``."""

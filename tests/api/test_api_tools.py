@@ -1,7 +1,9 @@
 """``kvserve.api.tools``: the Hermes tool-call format without a model: the
 parser (Hermes objects, SmolLM2 lists, malformed blocks left as text), the
 streaming splitter (a tag cut anywhere), history rendering and the grammar
-of forced calls (checked by llguidance's matcher on hand-written answers)."""
+of forced calls (checked by llguidance's matcher on hand-written answers);
+through the app on scripted answers, ``parallel_tool_calls: false`` and the
+finish reason of a named ``tool_choice`` (issue 25)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 
 import llguidance
 import pytest
+from fake_engine import accepted, sample_outputs
 
 from kvserve.api.protocol import ChatCompletionRequest
 from kvserve.api.tools import ToolCallStream, parse_tool_calls, render_messages, tool_grammar
@@ -136,3 +139,75 @@ def test_strict_schemas_close_every_object() -> None:
             "type": "json_schema", "json_schema": {"name": "x", "schema": schema,
                                                    "strict": True}}})
     assert strict.sampling_params().structured_outputs.schema() == closed
+
+
+# ------------------------------------------------- through the app, with a scripted answer
+
+TZ_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Asia/Tokyo"}}\n</tool_call>'
+LIMA_CALL = CALL.replace("Paris", "Lima")
+TWO_CALLS = ["Checking both.", f"\n{TZ_CALL[:23]}", TZ_CALL[23:], f"\n{LIMA_CALL}"]
+
+
+def answering(pieces: list[str], finish: str = "stop"):
+    """A ``FakeEngine`` script whose one sample is ``pieces`` (one token each)."""
+    return lambda req: [accepted(req), *sample_outputs(req, 0, pieces, finish=finish)]
+
+
+async def chat(client, engine, pieces: list[str], stream: bool, finish: str = "stop",
+               **fields) -> tuple[str | None, list[tuple[str, dict]], str]:
+    """``(content, [(name, arguments)], finish_reason)`` of a chat answer
+    ``pieces`` with ``tools=[WEATHER, TIME]``, streamed chunks assembled by
+    ``index`` as a client does."""
+    engine.script = answering(pieces, finish)
+    body = {"messages": [{"role": "user", "content": "Time in Tokyo, weather in Lima?"}],
+            "tools": [WEATHER, TIME], "stream": stream, **fields}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if not stream:
+        [choice] = r.json()["choices"]
+        message = choice["message"]
+        return (message["content"], names_and_args(message.get("tool_calls") or []),
+                choice["finish_reason"])
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    content, calls, finish_reason = "", {}, None
+    for chunk in chunks:
+        [choice] = chunk["choices"]
+        content += choice["delta"].get("content") or ""
+        for item in choice["delta"].get("tool_calls") or ():
+            assert item["index"] not in calls, "a call is streamed once, whole"
+            calls[item["index"]] = item
+        finish_reason = choice["finish_reason"] or finish_reason
+    return content, names_and_args([calls[i] for i in sorted(calls)]), finish_reason
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_parallel_tool_calls_false_returns_only_the_first_call(client, engine, stream):
+    """OpenAI's ``parallel_tool_calls: false``: at most one call. As vLLM
+    (``maybe_filter_parallel_tool_calls``) the first call is kept, later ones
+    are dropped (streamed: only ``index`` 0), the content is untouched."""
+    content, calls, finish = await chat(client, engine, TWO_CALLS, stream,
+                                        parallel_tool_calls=False, tool_choice="auto")
+    assert calls == [("get_time", {"tz": "Asia/Tokyo"})]
+    assert content.strip() == "Checking both." and finish == "tool_calls"
+    _, both, _ = await chat(client, engine, TWO_CALLS, stream, parallel_tool_calls=True)
+    assert [name for name, _ in both] == ["get_time", "get_weather"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_named_tool_choice_finishes_with_stop(client, engine, stream):
+    """A named function answers ``finish_reason: "stop"`` (OpenAI, vLLM's
+    ``resolve_finish_reason``); ``required`` and ``auto`` say ``tool_calls``;
+    a call cut off stays ``length``."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    content, calls, finish = await chat(client, engine, [LIMA_CALL[:30], LIMA_CALL[30:]],
+                                        stream, tool_choice=named)
+    assert calls == [("get_weather", {"city": "Lima"})] and finish == "stop"
+    assert not content
+    for choice in ("required", "auto"):
+        _, calls, finish = await chat(client, engine, [LIMA_CALL], stream, tool_choice=choice)
+        assert len(calls) == 1 and finish == "tool_calls"
+    _, calls, finish = await chat(client, engine, [LIMA_CALL[:30]], stream, finish="length",
+                                  tool_choice=named)
+    assert calls == [] and finish == "length"
