@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 import time
 import uuid
@@ -15,7 +16,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from kvserve.config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineConfig,
-                            SchedulerConfig, ServerConfig, SpeculativeConfig, parse_size)
+                            SchedulerConfig, ServerConfig, SpeculativeConfig,
+                            StructuredOutputsConfig, parse_size)
 
 
 def _positive(kind: type, allow_zero: bool = False) -> Callable[[str], int | float]:
@@ -40,8 +42,10 @@ NON_NEGATIVE_FLOAT = _positive(float, allow_zero=True)
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="local Hugging Face-layout Llama-family checkpoint folder "
-                        "(default: SmolLM2-135M-Instruct, fetched and converted on first use)")
+                   help="local Hugging Face-layout checkpoint folder (config.json, "
+                        "*.safetensors, tokenizer.json) of a llama, mistral or qwen2 model; not "
+                        "a GGUF file nor a hub id (default: SmolLM2-135M-Instruct, fetched and "
+                        "converted from its GGUF on first use)")
     p.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda when CuPy sees a GPU, else cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
@@ -105,6 +109,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=POSITIVE_INT, default=None,
                    help="CPU threads for both BLAS and Numba kernels (default: the CPUs this "
                         "process may use); logged at start-up as 'thread_policy'")
+    p.add_argument("--structured-outputs-max-bytes", default="64KiB", metavar="SIZE",
+                   help="largest output constraint accepted (a JSON schema, regex, grammar or "
+                        "list of choices), e.g. 64KiB; larger ones get 400 (default 64KiB)")
+    p.add_argument("--structured-outputs-timeout", type=POSITIVE_FLOAT, default=5.0,
+                   metavar="SECONDS",
+                   help="seconds of CPU a new output constraint may take to compile (in a "
+                        "child process, before the request is queued); longer ones get 400 "
+                        "(default 5)")
+    p.add_argument("--stall-timeout", type=POSITIVE_FLOAT, default=60.0, metavar="SECONDS",
+                   help="/health answers 503 when requests run or wait and no step finished "
+                        "for this long (the role of vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S; "
+                        "default 60)")
     p.add_argument("--log-format", default="json", choices=["json", "console"])
     p.add_argument("--log-level", default="info",
                    help="debug adds a 'step' event per model step")
@@ -148,6 +164,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         scheduler=scheduler,
                         logprobs_mode=args.logprobs_mode, seed=args.seed,
                         num_threads=args.num_threads,
+                        structured_outputs=StructuredOutputsConfig(
+                            max_bytes=parse_size(args.structured_outputs_max_bytes),
+                            timeout=args.structured_outputs_timeout),
+                        stall_timeout=args.stall_timeout,
                         fault_injection=getattr(args, "fault_injection", None))
 
 
@@ -284,20 +304,24 @@ async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     import uvicorn
 
     from kvserve.api.app import build_app
+    from kvserve.api.http_metrics import instrument
     from kvserve.api.server import DrainingServer, fit_file_limit, uvicorn_config
 
-    from kvserve.metrics import metrics_route
+    from kvserve.metrics import ServerMetrics, metrics_route
 
     api_key = resolve_api_key(args, os.environ)  # before minutes of loading, not after
     _resolve_replica_roles(args)
+    _require_model_folder(engine_config.model)
     if args.data_parallel_size > 1:
-        engine, metrics = await _start_replicas(args, engine_config)
+        engine = await _start_replicas(args, engine_config)
+        engine_metrics = engine.metrics_text  # every replica's, labelled replica="i"
     else:
         engine = await _start_engine(engine_config, args.served_model_name,
                                      request_timeout=args.request_timeout,
                                      stats_interval=args.stats_interval,
                                      log_prompts=getattr(args, "log_prompts", False))
-        metrics = metrics_route(engine.metrics)
+        engine_metrics = engine.metrics
+    server_metrics = ServerMetrics()  # this process's HTTP requests, CPU and memory
     server_config = ServerConfig(
         host=args.host, port=args.port, api_key=api_key,
         served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
@@ -306,7 +330,8 @@ async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
         timeout_request_body=args.timeout_request_body,
         max_connections=fit_file_limit(args.max_connections),
         max_header_bytes=args.max_header_bytes)
-    app = build_app(engine, server_config, extra_routes=[metrics])
+    app = instrument(build_app(engine, server_config, extra_routes=[
+        metrics_route(server_metrics, engine_metrics)]), server_metrics)
     config = uvicorn_config(app, server_config)
     try:
         await DrainingServer(config, engine, args.drain_timeout).serve()
@@ -343,6 +368,53 @@ def _die(message: str) -> None:
     raise SystemExit(2)
 
 
+#: The checkpoint layout ``--model`` takes (``kvserve.model.loader`` and ``.tokenizer``).
+CHECKPOINT_FILES = "config.json, *.safetensors, tokenizer.json"
+#: A hub model id such as ``HuggingFaceTB/SmolLM2-135M-Instruct``.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+$")
+
+
+def model_folder_problem(model: str) -> str | None:
+    """Why ``--model model`` is not a checkpoint folder kvserve can load, as
+    one line, or None when it is one. Only the layout is checked (a folder
+    with ``config.json``, ``*.safetensors`` and ``tokenizer.json``); their
+    contents are the loader's (its errors are one line too). A GGUF file, or
+    a folder of one, is named as such: it is not loaded directly (yet)."""
+    from kvserve.model.loader import SUPPORTED_MODEL_TYPES
+
+    *others, last = SUPPORTED_MODEL_TYPES
+    accepts = (f"pass a Hugging Face-layout folder ({CHECKPOINT_FILES}) of a "
+               f"{', '.join(others)} or {last} model")
+    gguf = (f"a GGUF file is not loaded directly yet; {accepts} (`kvserve fetch-model` makes "
+            "one for the default model from its GGUF)")
+    path = Path(model)
+    if not path.exists():
+        hub = (f"; model ids from a hub are not fetched: pass a local folder ({CHECKPOINT_FILES})"
+               if _HUB_ID.match(model) else "")
+        return f"--model {model}: no such folder{hub}"
+    if not path.is_dir():
+        if path.suffix.lower() == ".gguf":
+            return f"--model {model}: {gguf}"
+        return f"--model {model} is a file, not a folder; {accepts}"
+    missing = [name for name, found in (
+        ("config.json", (path / "config.json").is_file()),
+        ("*.safetensors", any(path.glob("*.safetensors"))),
+        ("tokenizer.json", (path / "tokenizer.json").is_file())) if not found]
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if "config.json" in missing and ggufs:
+        return f"--model {model} holds a GGUF file ({ggufs[0]}) but no config.json: {gguf}"
+    if missing:
+        return f"--model {model}: no {', '.join(missing)} in this folder; {accepts}"
+    return None
+
+
+def _require_model_folder(model: str) -> None:
+    """``_die`` with ``model_folder_problem``'s line, before any loading."""
+    problem = model_folder_problem(model)
+    if problem is not None:
+        _die(problem)
+
+
 def _speculative_config(text: str) -> SpeculativeConfig:
     """argparse type of ``--speculative-config`` (a usage error names the
     problem, a missing draft checkpoint included, before any model loads)."""
@@ -377,24 +449,14 @@ def _resolve_replica_roles(args: argparse.Namespace) -> None:
 
 
 async def _start_replicas(args: argparse.Namespace, config: EngineConfig):
-    """``--data-parallel-size`` replicas on Ray, and the ``/metrics`` route
-    that labels each replica's samples ``replica="i"``."""
-    from starlette.responses import Response
-    from starlette.routing import Route
-
+    """``--data-parallel-size`` replicas on Ray (a ``DataParallelClient``)."""
     from kvserve.distributed.client import DataParallelClient
-    from kvserve.metrics import CONTENT_TYPE_LATEST
 
-    client = await DataParallelClient.start(
+    return await DataParallelClient.start(
         config, args.data_parallel_size, ray_address=args.ray_address,
         model_name=args.served_model_name, request_timeout=args.request_timeout,
         stats_interval=args.stats_interval, routing=args.data_parallel_routing,
         prefill_replicas=args.prefill_replicas)
-
-    async def metrics(request) -> Response:
-        return Response(await client.metrics_text(), media_type=CONTENT_TYPE_LATEST)
-
-    return client, Route("/metrics", metrics, methods=["GET"])
 
 
 async def _start_engine(config: EngineConfig, *args, **kwargs):
@@ -414,6 +476,7 @@ async def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> in
     from kvserve.actors.messages import GenerateRequest, RequestFailed, RequestOutput
     from kvserve.core.sampling_params import SamplingParams
 
+    _require_model_folder(engine_config.model)
     engine = await _start_engine(engine_config, stats_interval=args.stats_interval)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     request = GenerateRequest(

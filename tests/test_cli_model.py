@@ -1,0 +1,71 @@
+"""``kvserve serve --model``: what is not a servable checkpoint folder (a GGUF
+file, a folder holding only a GGUF, a missing path, a hub model id) is one
+line on stderr and exit status 2 before any model loads (issue 25), not a
+traceback or a missing ``config.json``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ACCEPTS = "pass a Hugging Face-layout folder (config.json, *.safetensors, tokenizer.json)"
+
+
+def serve_errors(model: str, *extra: str) -> list[str]:
+    """The non-JSON stderr lines of ``kvserve serve --model model``; asserts exit status 2."""
+    done = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "--model", model,
+                           "--port", "0", *extra], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done
+    assert "Traceback" not in done.stderr, done.stderr
+    return [line for line in done.stderr.splitlines() if not line.startswith("{")]
+
+
+def make_gguf(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"GGUF\x03\x00\x00\x00")  # the magic is enough: nothing reads it
+    return path
+
+
+def test_a_gguf_file_is_refused_saying_what_model_takes(tmp_path: Path) -> None:
+    errors = serve_errors(str(make_gguf(tmp_path / "model-q4_0.gguf")))
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("kvserve: error: --model ")
+    assert "a GGUF file is not loaded directly yet" in errors[0]
+    assert ACCEPTS in errors[0] and "kvserve fetch-model" in errors[0]
+
+
+def test_a_folder_holding_only_a_gguf_is_refused_the_same_way(tmp_path: Path) -> None:
+    make_gguf(tmp_path / "only-gguf" / "model.gguf")
+    errors = serve_errors(str(tmp_path / "only-gguf"))
+    assert len(errors) == 1, errors
+    assert "holds a GGUF file (model.gguf) but no config.json" in errors[0]
+    assert ACCEPTS in errors[0] and "kvserve fetch-model" in errors[0]
+
+
+def test_a_missing_folder_is_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    assert serve_errors(str(missing)) == [f"kvserve: error: --model {missing}: no such folder"]
+
+
+def test_a_hub_model_id_is_not_fetched(tmp_path: Path) -> None:
+    errors = serve_errors("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert errors == ["kvserve: error: --model HuggingFaceTB/SmolLM2-135M-Instruct: no such "
+                      "folder; model ids from a hub are not fetched: pass a local folder "
+                      "(config.json, *.safetensors, tokenizer.json)"]
+
+
+@pytest.mark.parametrize("present, missing", [
+    (("config.json", "model.safetensors"), "tokenizer.json"),
+    (("config.json", "tokenizer.json"), "*.safetensors"),
+    (("notes.txt",), "config.json, *.safetensors, tokenizer.json"),
+])
+def test_a_folder_missing_checkpoint_files_names_them(tmp_path: Path, present: tuple[str, ...],
+                                                      missing: str) -> None:
+    for name in present:
+        (tmp_path / name).write_text("{}", encoding="utf-8")
+    errors = serve_errors(str(tmp_path))
+    assert errors == [f"kvserve: error: --model {tmp_path}: no {missing} in this folder; "
+                      f"{ACCEPTS} of a llama, mistral or qwen2 model"]
