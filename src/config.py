@@ -276,6 +276,32 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Bounds on compiling a request's output constraint
+    (``kvserve.structured.compiler``).
+
+    ``max_bytes`` (``--structured-outputs-max-bytes``): the largest schema,
+    regex, grammar or list of choices accepted, in UTF-8 bytes (64 KiB: a
+    JSON object of ~2,000 optional properties, which compiles in ~0.6 s on
+    one core of the 2-core development machine; OpenAI's strict mode allows
+    100 properties). ``timeout`` (``--structured-outputs-timeout``): seconds
+    a constraint may take to compile before its request gets a 400.
+    ``max_pending``: constraints that may wait for the compiler at once
+    (one compiles at a time; a schema already compiled does not wait); more
+    get 429. 256: a burst of distinct small schemas (milliseconds each) is
+    served, a flood of the largest (about a second each) is bounded.
+    """
+
+    max_bytes: int = 64 * 1024
+    timeout: float = 5.0
+    max_pending: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1 or not self.timeout > 0 or self.max_pending < 1:
+            raise ValueError("structured outputs: max_bytes, timeout and max_pending must be > 0")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs: model path, backend, cache and scheduler.
 
@@ -302,10 +328,17 @@ class EngineConfig:
     logprobs_mode: str = "processed_logprobs"
     seed: int = 0
     num_threads: int | None = None
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    #: Seconds without a completed step, while requests run or wait, after
+    #: which ``/health`` answers 503 (``kvserve.core.stall``; vLLM's
+    #: ``VLLM_ENGINE_ITERATION_TIMEOUT_S`` has the same default).
+    stall_timeout: float = 60.0
     #: Test-only faults (``kvserve.faults.FaultInjection``); None injects none.
     fault_injection: FaultInjection | None = None
 
     def __post_init__(self) -> None:
+        if not self.stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0, got {self.stall_timeout}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.backend not in ("auto", "cpu", "cuda"):

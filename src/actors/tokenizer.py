@@ -11,6 +11,7 @@ from kvserve.actors.messages import GenerateRequest, RequestFailed, TokenizedReq
 from kvserve.actors.registry import StreamRegistry, child_request_ids
 from kvserve.actors.stream import RequestStream
 from kvserve.core.sampling_params import SEED_MIN
+from kvserve.structured.compiler import ConstraintError
 
 #: Prompts (text, or the summed string lengths of chat messages) shorter than
 #: this many characters are tokenized on the event loop. Encoding costs about
@@ -31,6 +32,24 @@ class PromptError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+def check_message_count(num_messages: int, min_tokens_per_message: int,
+                        max_model_len: int) -> None:
+    """Refuse a chat that cannot fit before rendering it.
+
+    Every message costs at least ``min_tokens_per_message`` tokens of the
+    chat template (``Tokenizer.min_tokens_per_message``; 1 if unknown), so
+    more messages than ``max_model_len`` tokens can hold is a ``PromptError``
+    naming ``messages``, found in O(1) rather than after rendering them.
+    """
+    per = max(1, min_tokens_per_message)
+    if num_messages * per > max_model_len:
+        raise PromptError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"{num_messages:,} messages need at least {num_messages * per:,} tokens ({per} "
+            f"per message in this model's chat template). Please send fewer messages.",
+            param="messages")
 
 
 def check_prompt_length(num_prompt: int, max_tokens: int | None, max_model_len: int,
@@ -65,26 +84,31 @@ class TokenizerActor(Actor):
     samples are always sent together, one after the other.
 
     Prompts of ``INLINE_MAX_CHARS`` characters or more are rendered and
-    encoded on a small thread pool, never on the event loop; meanwhile the
+    encoded on a small thread pool, never on the event loop, and an output
+    constraint is compiled by ``compiler`` (a
+    ``kvserve.structured.compiler.ConstraintCompiler``: bounded, off the
+    loop and the step thread) before the request is queued; meanwhile the
     actor goes on with the next requests, so requests may leave it out of
     arrival order. A request aborted (or whose id was reused) while it was
-    being tokenized is dropped when its tokens come back.
+    being prepared is dropped when its tokens come back.
     """
 
     name = "tokenizer"
 
     def __init__(self, tokenizer, max_model_len: int, streams: StreamRegistry, admission: Actor,
-                 num_threads: int = NUM_TOKENIZER_THREADS) -> None:
+                 num_threads: int = NUM_TOKENIZER_THREADS, compiler=None) -> None:
         super().__init__()
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.streams = streams
         self.admission = admission
+        self.compiler = compiler
         self._executor = ThreadPoolExecutor(max_workers=num_threads,
                                             thread_name_prefix="kvserve-tokenizer")
         # No prompt of more characters can fit: refuse it before tokenizing.
         per_token = getattr(tokenizer, "max_token_bytes", None)
         self.max_prompt_chars = max_model_len * per_token if per_token else None
+        self.min_tokens_per_message = getattr(tokenizer, "min_tokens_per_message", 1)
         self._in_flight: set[asyncio.Task[None]] = set()
 
     async def handle(self, message: GenerateRequest) -> None:
@@ -92,44 +116,75 @@ class TokenizerActor(Actor):
         if stream is None:
             return  # aborted before it was tokenized
         try:
+            if self._constrained(message):
+                self.compiler.check_size(message.sampling_params.structured_outputs)
             self._check_token_ids(message)
             self._check_chars(message)
-            if prompt_chars(message) < INLINE_MAX_CHARS:
+            if message.messages is not None:
+                check_message_count(len(message.messages), self.min_tokens_per_message,
+                                    self.max_model_len)
+            if prompt_chars(message) < INLINE_MAX_CHARS and not self._constrained(message):
                 self._admit(message, self._tokenize(message))
                 return
-        except PromptError as exc:
+        except (PromptError, ConstraintError) as exc:
             self._fail(message.request_id, str(exc), exc.param)
             return
-        task = asyncio.create_task(self._tokenize_off_loop(message, stream),
+        task = asyncio.create_task(self._prepare_off_loop(message, stream),
                                    name=f"tokenize-{message.request_id}")
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
 
-    async def _tokenize_off_loop(self, message: GenerateRequest, stream: RequestStream) -> None:
-        """Tokenize ``message`` on the pool, then admit it unless its stream
-        (``stream``, the one open when it arrived) was closed meanwhile."""
+    async def _prepare_off_loop(self, message: GenerateRequest, stream: RequestStream) -> None:
+        """Tokenize ``message`` (on the pool when long) and compile its
+        constraint, then admit it unless its stream (``stream``, the one open
+        when it arrived) was closed meanwhile."""
         loop = asyncio.get_running_loop()
         try:
-            prompt_ids = await loop.run_in_executor(self._executor, self._tokenize, message)
+            if prompt_chars(message) < INLINE_MAX_CHARS:
+                prompt_ids = self._tokenize(message)
+            else:
+                prompt_ids = await loop.run_in_executor(self._executor, self._tokenize, message)
+            if self._constrained(message) and self.streams.get(message.request_id) is stream:
+                self._check_length(message, prompt_ids)  # before paying for a compile
+                message = await self._compile(message)
             if self.streams.get(message.request_id) is stream:
                 self._admit(message, prompt_ids)
-        except PromptError as exc:
+        except (PromptError, ConstraintError) as exc:
             if self.streams.get(message.request_id) is stream:
-                self._fail(message.request_id, str(exc), exc.param)
+                self._fail(message.request_id, str(exc), exc.param,
+                           getattr(exc, "status", 400))
         except Exception as exc:  # noqa: BLE001 - as Actor._dispatch: fail the request only
             self.log.exception("actor_error", message_type=type(message).__name__)
             if self.streams.get(message.request_id) is stream:
                 self.on_error(message, exc)
 
+    def _constrained(self, message: GenerateRequest) -> bool:
+        """Whether ``message`` has an output constraint for the compiler (one
+        not compiled yet; without a compiler the worker builds it itself)."""
+        constraint = message.sampling_params.structured_outputs
+        return (self.compiler is not None and constraint is not None
+                and constraint.compiled is None)
+
+    async def _compile(self, message: GenerateRequest) -> GenerateRequest:
+        """``message`` with its constraint compiled (``ConstraintError`` if refused)."""
+        params = message.sampling_params
+        compiled = await self.compiler.compile(params.structured_outputs)
+        return dataclasses.replace(message, sampling_params=dataclasses.replace(
+            params, structured_outputs=compiled))
+
     def _admit(self, message: GenerateRequest, prompt_ids: tuple[int, ...]) -> None:
         """Check the length, then send the ``n`` samples to admission.
 
         Raises ``PromptError`` (before anything is sent) when too long."""
+        self._check_length(message, prompt_ids)
+        for child in fan_out(message, prompt_ids):
+            self.admission.send(child)
+
+    def _check_length(self, message: GenerateRequest, prompt_ids: tuple[int, ...]) -> None:
+        """``check_prompt_length`` of ``message`` (``PromptError`` when too long)."""
         check_prompt_length(len(prompt_ids), message.sampling_params.max_tokens,
                             self.max_model_len,
                             "messages" if message.messages is not None else "prompt")
-        for child in fan_out(message, prompt_ids):
-            self.admission.send(child)
 
     def _check_chars(self, message: GenerateRequest) -> None:
         """``PromptError`` for a prompt longer in characters than
@@ -183,9 +238,12 @@ class TokenizerActor(Actor):
         return tuple(self.tokenizer.encode(message.prompt or "", add_special_tokens=True,
                                            parse_special=message.parse_special))
 
-    def _fail(self, request_id: str, text: str, param: str | None) -> None:
-        self.log.info("request_rejected", request_id=request_id, reason=text, status=400)
-        self.streams.fail(RequestFailed(request_id, 400, text, param=param))
+    def _fail(self, request_id: str, text: str, param: str | None, status: int = 400) -> None:
+        self.log.info("request_rejected", request_id=request_id, reason=text, status=status)
+        kind = {429: "server_overloaded", 503: "service_unavailable"}.get(
+            status, "invalid_request_error")
+        self.streams.fail(RequestFailed(request_id, status, text, type=kind, param=param,
+                                        retry_after=1.0 if status == 429 else None))
 
     def on_error(self, message, exc: Exception) -> None:
         if isinstance(message, GenerateRequest):
@@ -193,11 +251,15 @@ class TokenizerActor(Actor):
                                             type="internal_error"))
 
     async def stop(self) -> None:
-        """Stop the run loop, let prompts still on the pool finish (and be
+        """Stop the run loop and the constraint compiler (a request still
+        compiling fails), let prompts still on the pool finish (and be
         admitted), then shut the pool down."""
         await super().stop()
+        if self.compiler is not None:
+            await self.compiler.close()
         await asyncio.gather(*self._in_flight, return_exceptions=True)
         self._executor.shutdown(wait=True)
+
 
 
 def prompt_chars(message: GenerateRequest) -> int:

@@ -90,8 +90,12 @@ def tool_grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool
     function (exactly one call to it): ``<tool_call>`` blocks whose JSON
     matches the function's ``parameters`` schema, and nothing else. The
     bound on parallel calls keeps a small model from repeating calls until
-    ``max_tokens``."""
-    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    ``max_tokens``. The params name ``tools`` as their field and each
+    chosen function's ``parameters`` as a part (``tools[i].function.
+    parameters``), so a schema that does not compile is named."""
+    chosen = [(i, t["function"]) for i, t in enumerate(tools)
+              if name is None or t["function"]["name"] == name]
+    functions = [f for _, f in chosen]
     calls = [{"type": "object", "properties": {
         "name": {"const": f["name"]}, "arguments": _closed(f.get("parameters"))},
         "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
@@ -101,7 +105,9 @@ def tool_grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool
     lark = (f"start: {calls_rule}\n"
             f'call: "{OPEN}\\n" body "\\n{CLOSE}"\n'
             f"body: %json {json.dumps(schema)}\n")
-    return StructuredOutputsParams(grammar=lark)
+    parts = tuple((f"tools[{i}].function.parameters", json.dumps(_closed(f.get("parameters"))))
+                  for i, f in chosen)
+    return StructuredOutputsParams(grammar=lark, field="tools", parts=parts)
 
 
 def _closed(parameters: dict[str, Any] | None) -> dict[str, Any]:

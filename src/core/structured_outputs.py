@@ -12,7 +12,8 @@ is imported here.
 from __future__ import annotations
 
 import json as _json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from dataclasses import field as dc_field
 from typing import Any
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -25,6 +26,19 @@ class StructuredOutputsParams:
     ``json`` is the schema serialized (keys in the client's order, which is
     the order the properties are generated in; a string keeps the params
     hashable); ``schema()`` parses it.
+
+    Three fields describe the constraint without being part of it (they take
+    no part in equality or hashing, so equal constraints share one compiled
+    form):
+
+    - ``field``: the request field that set it (``guided_json``,
+      ``response_format``, ``tools``...), named by a 400 about it;
+    - ``parts``: ``(param, schema JSON)`` of the schemas a grammar embeds
+      (a tool's ``parameters``: ``tools[1].function.parameters``), so that
+      an error names the one at fault;
+    - ``compiled``: the engine's compiled form (a
+      ``kvserve.structured.compiler.CompiledConstraint``), set before the
+      request is scheduled; never pickled (it lives in one process).
     """
 
     json: str | None = None
@@ -32,6 +46,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    field: str | None = dc_field(default=None, compare=False)
+    parts: tuple[tuple[str, str], ...] = dc_field(default=(), compare=False)
+    compiled: Any = dc_field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         set_ = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -52,6 +69,28 @@ class StructuredOutputsParams:
         if not isinstance(schema, dict):
             raise ValueError("a JSON schema must be a JSON object")
         return cls(json=_json.dumps(schema))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without ``compiled`` (a handle to this process's compiler)."""
+        return {**self.__dict__, "compiled": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def named(self, field_: str | None) -> StructuredOutputsParams:
+        """The same constraint, set by the request field ``field_``."""
+        return replace(self, field=field_)
+
+    @property
+    def size_bytes(self) -> int:
+        """The constraint's size in UTF-8 bytes: the schema's JSON, the regex,
+        the grammar, or the choices (each with 3 bytes of separators, as in
+        a JSON list); 0 for ``json_object``. What the engine's size limit
+        counts."""
+        if self.choice is not None:
+            return sum(len(option.encode()) + 3 for option in self.choice)
+        text = self.json if self.json is not None else self.regex or self.grammar or ""
+        return len(text.encode())
 
     @property
     def kind(self) -> str:

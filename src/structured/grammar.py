@@ -1,4 +1,4 @@
-"""Compile ``StructuredOutputsParams`` into llguidance grammars.
+"""Compile ``StructuredOutputsParams`` into llguidance grammars and matchers.
 
 llguidance (https://github.com/guidance-ai/llguidance) because it is a
 maintained Rust engine with a self-contained wheel (no torch), computes a
@@ -9,6 +9,9 @@ backends. xgrammar, the other, needs torch and transformers.
 JSON is generated compact apart from one space after ``,`` and ``:``
 (``whitespace_flexible: false``): a small model allowed free whitespace
 inside a JSON value can emit newlines until ``max_tokens``.
+
+These functions are the work itself, with no bound on its cost: the engine
+runs them through ``kvserve.structured.compiler``, which bounds it.
 """
 
 from __future__ import annotations
@@ -27,16 +30,41 @@ ANY_OBJECT = {"type": "object"}
 
 
 class GrammarError(ValueError):
-    """A constraint llguidance cannot compile; the message says why."""
+    """A constraint llguidance cannot compile; the message says why.
+
+    ``param`` names the request field at fault when it is narrower than the
+    constraint's own field (a tool's ``parameters``), else None.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    """llguidance's parser and lexer limits for every matcher: its defaults
+    (lexer fuel 1,000,000; 250,000 lexer states; a grammar of 500,000
+    symbols; 2,000 items in a row; 50,000 Earley items a step), with
+    ``verbose_errors`` off so an error names the fault, not the grammar."""
+    return llguidance.LLParserLimits(verbose_errors=False)
 
 
 def to_grammar(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (its JSON form) of ``params``.
 
     Raises ``GrammarError`` when the constraint cannot be compiled (an
-    invalid schema, regex or grammar).
+    invalid schema, regex or grammar); for a grammar that embeds schemas
+    (``params.parts``), its ``param`` names the first schema at fault.
     """
-    return _compile(params)
+    try:
+        return _compile(params)
+    except GrammarError as exc:
+        for param, schema in params.parts:
+            try:
+                _compile(StructuredOutputsParams(json=schema))
+            except GrammarError as part_exc:
+                raise GrammarError(f"the JSON schema is invalid: {part_exc}", param) from exc
+        raise
 
 
 @lru_cache(maxsize=256)
@@ -54,10 +82,24 @@ def _compile(params: StructuredOutputsParams) -> str:
             grammar = llguidance.grammar_from("grammar", params.grammar)
     except (ValueError, TypeError) as exc:
         raise GrammarError(str(exc)) from exc
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=parser_limits())
     if error:
         raise GrammarError(error)
     return grammar
+
+
+def build_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+    """A fresh ``LLMatcher`` of ``grammar`` under ``parser_limits()``.
+
+    Costs from microseconds to seconds (it builds the lexer over the
+    vocabulary; 2,000 optional JSON properties take ~0.6 s, 4,000 ~3 s);
+    llguidance drops the GIL meanwhile. Raises ``GrammarError`` when the
+    matcher starts in error (a grammar over a limit).
+    """
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+    if matcher.is_error():
+        raise GrammarError(matcher.get_error())
+    return matcher
 
 
 def check(params: StructuredOutputsParams) -> None:

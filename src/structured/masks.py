@@ -51,8 +51,16 @@ class StructuredOutputs:
     def add(self, request_id: str, params: StructuredOutputsParams,
             output_token_ids: Sequence[int] = ()) -> None:
         """Start following ``request_id`` (again, after a preemption: the
-        tokens it already generated are replayed into the new matcher)."""
-        matcher = llguidance.LLMatcher(self.tokenizer, to_grammar(params), log_level=0)
+        tokens it already generated are replayed into the new matcher).
+
+        The matcher is a copy of ``params.compiled`` (the engine compiles
+        every constraint before it is scheduled, ``kvserve.structured.
+        compiler``: ~20 us here); a constraint that was not compiled (a
+        runner driven directly) is compiled here, unbounded."""
+        if params.compiled is not None:
+            matcher = params.compiled.new_matcher()
+        else:
+            matcher = llguidance.LLMatcher(self.tokenizer, to_grammar(params), log_level=0)
         if output_token_ids and not matcher.consume_tokens(list(output_token_ids)):
             log.warning("structured_replay_failed", request_id=request_id,
                         error=matcher.get_error())
