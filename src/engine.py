@@ -20,8 +20,8 @@ import structlog
 from kvserve.actors.admission import AdmissionActor
 from kvserve.core.admission_queue import AdmissionLimits, AdmissionQueue
 from kvserve.actors.detokenizer import DetokenizerActor
-from kvserve.actors.messages import (AbortRequest, AdoptBlocks, GenerateRequest, RequestFailed,
-                                     shutdown_failure)
+from kvserve.actors.messages import (AbortRequest, AdoptBlocks, GenerateRequest, HealthQuery,
+                                     RequestFailed, shutdown_failure)
 from kvserve.actors.registry import StreamRegistry, child_request_ids
 from kvserve.actors.scheduler import SchedulerActor
 from kvserve.actors.stream import RequestStream
@@ -30,6 +30,7 @@ from kvserve.actors.worker import WorkerActor, worker_executor
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler
+from kvserve.core.stall import EngineHealth
 from kvserve.distributed.kv_connector import KVConnector, build_kv_connector
 from kvserve.faults import FaultInjection, FaultyRunner, arm_actor_death
 from kvserve.metrics import EngineMetrics
@@ -42,9 +43,16 @@ from kvserve.model.tokenizer import Tokenizer
 from kvserve.plan import (  # noqa: F401 - KVCachePlan re-exported
     KVCachePlan, cap_to_cache, plan_kv_cache, resolve_max_model_len)
 from kvserve.stats_logger import StatsObserver
+from kvserve.structured.compiler import ConstraintCompiler
 from kvserve.structured.masks import StructuredOutputs
 
 log = structlog.get_logger("kvserve.engine")
+
+#: Seconds ``check_health`` waits for the scheduler actor's answer.
+HEALTH_QUERY_TIMEOUT = 2.0
+#: Seconds between two readings of the stall watch (at most a quarter of
+#: ``--stall-timeout``).
+STALL_WATCH_INTERVAL = 1.0
 
 
 @dataclass
@@ -233,7 +241,8 @@ class AsyncEngine:
             kv_cache_memory_bytes=cache.kv_cache_memory)
         self.observer = StatsObserver(self.metrics)
         self._stats_task: asyncio.Task[None] | None = None
-        self.scheduler = SchedulerActor(core.scheduler)
+        self._watch_task: asyncio.Task[None] | None = None
+        self.scheduler = SchedulerActor(core.scheduler, core.config.stall_timeout)
         self.scheduler.observer = self.observer
         self._kv_exports: dict[str, asyncio.Future] = {}
         self.scheduler.on_kv_export = self._on_kv_export
@@ -249,8 +258,12 @@ class AsyncEngine:
                                         core.model_config.eos_token_ids, core.max_model_len)
         self.admission.observer = self.observer
         self.scheduler.admission = self.admission
-        self.tokenizer_actor = TokenizerActor(core.tokenizer, core.max_model_len, self.streams,
-                                              self.admission)
+        self.tokenizer_actor = TokenizerActor(
+            core.tokenizer, core.max_model_len, self.streams, self.admission,
+            compiler=ConstraintCompiler(Path(core.config.model) / "tokenizer.json",
+                                        core.model_config.vocab_size,
+                                        core.model_config.eos_token_ids,
+                                        core.config.structured_outputs))
         self.scheduler.worker = self.worker
         self.scheduler.detokenizer = self.detokenizer
         self.detokenizer.admission = self.admission
@@ -310,6 +323,7 @@ class AsyncEngine:
             task.add_done_callback(lambda t, name=actor.name: self._on_actor_exit(name, t))
         if self.stats_interval and self.stats_interval > 0:
             self._stats_task = asyncio.create_task(self._log_stats_loop(), name="stats")
+        self._watch_task = asyncio.create_task(self._watch_loop(), name="stall-watch")
         self._ready = True
 
     def log_stats(self, force: bool = False) -> dict | None:
@@ -325,6 +339,27 @@ class AsyncEngine:
                 self.log_stats()
             except Exception:  # noqa: BLE001 - statistics must never stop the engine
                 log.exception("engine_stats_failed")
+
+    async def check_health(self, timeout: float = HEALTH_QUERY_TIMEOUT) -> EngineHealth | None:
+        """Ask the scheduler actor for a stall reading (``HealthQuery``);
+        None when it does not answer within ``timeout`` seconds (its loop is
+        blocked, or it died)."""
+        reply = asyncio.get_running_loop().create_future()
+        self.scheduler.send(HealthQuery(reply))
+        try:
+            return await asyncio.wait_for(reply, timeout)
+        except TimeoutError:
+            return None
+
+    async def _watch_loop(self) -> None:
+        """Read the stall watch every ``STALL_WATCH_INTERVAL`` s, so that the
+        gauge and the ``engine_stalled`` line come with no probe asking."""
+        while True:
+            await asyncio.sleep(min(STALL_WATCH_INTERVAL, self.core.config.stall_timeout / 4))
+            try:
+                await self.check_health()
+            except Exception:  # noqa: BLE001 - the watch must never stop the engine
+                log.exception("stall_watch_failed")
 
     def _on_actor_exit(self, name: str, task: asyncio.Task[None]) -> None:
         """An actor's loop ended: expected at shutdown; otherwise the engine
@@ -476,6 +511,9 @@ class AsyncEngine:
         actors in data-flow order."""
         self._ready = False
         self._stopping = True
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            self._watch_task = None
         if self._stats_task is not None:
             self._stats_task.cancel()
             try:

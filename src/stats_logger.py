@@ -47,6 +47,7 @@ class StatsObserver:
         self.interval = IntervalStats(start=time.monotonic())
         self.interval_spec = SpecDecodingStats()
         self.total_preemptions = 0
+        self.stalled_seconds = 0.0  # while stalled: the latest stall reading
         self._last_idle = False
         # parent id -> n, from request_received (bounded: refused requests never finish)
         #: parent id -> (n, stream) from ``request_received`` until its last sample is queued
@@ -173,6 +174,13 @@ class StatsObserver:
         if self.metrics is not None:
             self.metrics.set_load(num_running, num_waiting, kv_usage)
 
+    def set_stall(self, seconds: float, stalled: bool) -> None:
+        """The latest stall reading (``kvserve.core.stall``): the gauge, and,
+        while ``stalled`` (past ``--stall-timeout``), the stats line's ``stalled_s``."""
+        self.stalled_seconds = seconds if stalled else 0.0
+        if self.metrics is not None:
+            self.metrics.set_stall(seconds)
+
     # -------------------------------------------------------------- tokens
 
     def on_update(self, update: RequestUpdate, emitted: bool = True) -> None:
@@ -258,6 +266,9 @@ class StatsObserver:
                           spec_draft_acceptance_rate=round(rate, 4), spec_drafts=spec.num_drafts)
             message += (f", Spec decode: mean acceptance length "
                         f"{spec.mean_acceptance_length:.2f}, draft acceptance rate {rate:.1%}")
+        if self.stalled_seconds:
+            fields["stalled_s"] = round(self.stalled_seconds, 1)
+            message += f", STALLED {self.stalled_seconds:.0f} s (no step finished)"
         self.log.info("engine_stats", message=message, **fields)
         return fields
 

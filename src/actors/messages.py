@@ -226,6 +226,16 @@ def shutdown_failure(request_id: str, timeout: float) -> RequestFailed:
 
 
 @dataclass(frozen=True)
+class HealthQuery:
+    """Ask the scheduler for an ``EngineHealth`` reading (engine ->
+    scheduler); the answer is set on ``reply`` (an ``asyncio.Future`` of
+    the engine's loop). A scheduler whose loop is blocked never answers:
+    the asker bounds its wait."""
+
+    reply: Any
+
+
+@dataclass(frozen=True)
 class Stop:
     """Sentinel that ends an actor's run loop."""
 

@@ -12,6 +12,7 @@ from kvserve.actors.messages import (
     AdoptBlocks,
     CapacityReport,
     ExecuteStep,
+    HealthQuery,
     ReleaseRequests,
     StepResult,
     TokenDelta,
@@ -20,6 +21,7 @@ from kvserve.core.admission_queue import SchedulerCapacity
 from kvserve.core.outputs import PrefixCacheDivergence, RequestUpdate, SchedulerOutput
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
+from kvserve.core.stall import EngineHealth, StallWatch
 from kvserve.core.stats import StepTimes
 from kvserve.core.step_budget import StepBudget
 
@@ -51,9 +53,12 @@ class SchedulerActor(Actor):
 
     name = "scheduler"
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, stall_timeout: float = 60.0) -> None:
         super().__init__()
         self.core = scheduler
+        #: Progress while there is work (``HealthQuery`` answers from it).
+        self.stall = StallWatch(stall_timeout)
+        self._stalled = False  # the last reading was past the timeout
         self.worker: Actor | None = None
         self.detokenizer: Actor | None = None
         self.admission: Actor | None = None  # gets CapacityReports; set by the engine
@@ -107,8 +112,30 @@ class SchedulerActor(Actor):
             self._on_step_result(message)
         elif isinstance(message, AdoptBlocks):
             self._adopt(message)
+        elif isinstance(message, HealthQuery):
+            reading = self._health()
+            if not message.reply.done():
+                message.reply.set_result(reading)
         else:
             raise TypeError(f"unexpected message {type(message).__name__}")
+
+    def _health(self) -> EngineHealth:
+        """A stall reading now; logs ``engine_stalled`` when it passes the
+        timeout and ``engine_recovered`` when a step ends the stall."""
+        reading = self.stall.reading(time.monotonic(), self.core.num_running,
+                                     self.core.num_waiting)
+        if reading.is_stalled and not self._stalled:
+            self.log.error("engine_stalled", stalled_seconds=round(reading.stalled_seconds, 1),
+                           num_running=reading.num_running, num_waiting=reading.num_waiting,
+                           steps_in_flight=len(self._in_flight),
+                           message=f"The engine is stalled: {reading.reason()}")
+        elif self._stalled and not reading.is_stalled:
+            self.log.warning("engine_recovered", message="A step finished: the engine "
+                             "is no longer stalled")
+        self._stalled = reading.is_stalled
+        if self.observer is not None:
+            self.observer.set_stall(reading.stalled_seconds, reading.is_stalled)
+        return reading
 
     def _adopt(self, message: AdoptBlocks) -> None:
         """A decode replica's imported blocks: adopt those the cache lacks;
@@ -214,6 +241,7 @@ class SchedulerActor(Actor):
                                "expected: the worker runs steps in order")
         t0 = time.perf_counter()
         runner_output = result.runner_output
+        self.stall.on_step(time.monotonic())
         if result.error is not None:
             self._fail_step(output, result.error)
         else:
@@ -265,7 +293,10 @@ class SchedulerActor(Actor):
                          draft=runner_output.draft_seconds, emit=emit_seconds)
 
     def _refresh_load(self) -> None:
-        """Running/waiting/KV gauges as they are now (they must reach 0 when idle)."""
+        """Running/waiting/KV gauges as they are now (they must reach 0 when
+        idle), and whether the engine has work (for the stall watch)."""
+        self.stall.on_load(time.monotonic(), bool(
+            self.core.num_running or self.core.num_waiting or self._in_flight))
         if self.observer is not None:
             self.observer.set_load(self.core.num_running, self.core.num_waiting,
                                    self.core.kv_cache_manager.usage)

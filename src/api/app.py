@@ -2,8 +2,8 @@
 
 Routes (OpenAI API reference, https://platform.openai.com/docs/api-reference):
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-and ``GET /health`` (200 when the engine is ready, else 503). vLLM's
-extensions: ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``.
+``GET /v1/models/{model}`` and ``GET /health`` (200 when the engine is ready,
+else 503). vLLM's extensions: ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from kvserve.api.serving import (
     parse_model,
     prepare,
     read_json_body,
+    refuse_message_flood,
     run_generation,
     served_model,
 )
@@ -97,32 +98,53 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
 
     async def _generate(request: Request, kind: str, model_cls: type) -> Response:
         data = await read_json_body(request, server_config.max_request_bytes)
+        refuse_message_flood(data, engine)
         body = parse_model(model_cls, data)
         prepared = prepare(kind, body, RequestHeaders.parse(request), engine, server_config)
         return await run_generation(request, engine, prepared)
 
-    async def models(request: Request) -> Response:
-        """``GET /v1/models``: the one served model, with ``max_model_len``."""
-        card = {"id": served_model(engine, server_config), "object": "model",
+    def model_card() -> dict:
+        """OpenAI's model object for the served model, with ``root`` and
+        ``max_model_len`` (vLLM's extras)."""
+        return {"id": served_model(engine, server_config), "object": "model",
                 "created": created, "owned_by": "kvserve", "root": engine.model_name,
                 "max_model_len": engine.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def models(request: Request) -> Response:
+        """``GET /v1/models``: the one served model, with ``max_model_len``."""
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request) -> Response:
+        """``GET /v1/models/{model}`` (OpenAI's "Retrieve model",
+        https://platform.openai.com/docs/api-reference/models/retrieve): the
+        card ``/v1/models`` lists, for the served name or the engine's (the
+        names requests may give, ``check_model``); else 404
+        ``model_not_found``. The name may hold slashes (``org/name``)."""
+        check_model(request.path_params["model"], engine, server_config)
+        return JSONResponse(model_card())
 
     async def health(request: Request) -> Response:
         """``GET /health``: 200 when the engine is ready (``degraded``, with
         the replicas down, while a data-parallel replica restarts), else 503
-        (saying why when the engine failed)."""
+        saying why: the engine failed, is not ready, is stalled (requests
+        running or waiting and no step finished for ``--stall-timeout``
+        seconds: ``kvserve.core.stall``) or did not answer the check."""
         if engine.is_ready():
-            status = getattr(engine, "health", None)
-            return JSONResponse(status() if status is not None else {"status": "ok"})
-        reason = getattr(engine, "dead_reason", None)
-        message = f"The engine failed: {reason}" if reason else "The engine is not ready"
+            stalled = await _stall_reason(engine)
+            if stalled is None:
+                status = getattr(engine, "health", None)
+                return JSONResponse(status() if status is not None else {"status": "ok"})
+            message = f"The engine is stalled: {stalled}"
+        else:
+            reason = getattr(engine, "dead_reason", None)
+            message = f"The engine failed: {reason}" if reason else "The engine is not ready"
         return JSONResponse(error_body(message, "service_unavailable"), status_code=503)
 
     async def tokenize(request: Request) -> Response:
         """``POST /tokenize`` (vLLM): ``{"prompt"}`` or ``{"messages"}`` ->
         ``{"count", "max_model_len", "tokens", "token_strs"}``."""
         data = await read_json_body(request, server_config.max_request_bytes)
+        refuse_message_flood(data, engine)
         body = parse_model(TokenizeRequest, data)
         check_model(body.model, engine, server_config)
         if (body.prompt is None) == (body.messages is None):
@@ -161,6 +183,7 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
@@ -174,6 +197,18 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
         app.add_middleware(BearerAuth, api_key=server_config.api_key)
     app.add_middleware(HeaderSizeLimit, max_bytes=server_config.max_header_bytes)
     return app
+
+
+async def _stall_reason(engine: EngineClient) -> str | None:
+    """Why the engine counts as stalled (its ``check_health`` reading, or no
+    answer to it), or None when it is not (or cannot tell)."""
+    check = getattr(engine, "check_health", None)
+    if check is None:
+        return None
+    reading = await check()
+    if reading is None:
+        return "the scheduler did not answer a health check"
+    return reading.reason() if reading.is_stalled else None
 
 
 def _tokenizer(engine: EngineClient):
