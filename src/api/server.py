@@ -10,8 +10,12 @@ connection, a connection bound) are timers on its own h11 protocol
 from __future__ import annotations
 
 import asyncio
+import os
 import resource
 import signal
+import sys
+import threading
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -25,6 +29,12 @@ log = structlog.get_logger("kvserve.server")
 #: File descriptors kept for everything but client connections (model files,
 #: pipes, the listening socket, threads' eventfds).
 RESERVED_FDS = 256
+#: Seconds past ``--drain-timeout`` after which a shutdown that has not
+#: finished (a thread still tokenizing or compiling, a hung library call)
+#: ends the process anyway.
+FORCED_EXIT_GRACE = 4.0
+#: Exit status of such a forced exit (a clean shutdown exits 0).
+FORCED_EXIT_STATUS = 1
 
 
 def uvicorn_config(app, server: ServerConfig) -> uvicorn.Config:
@@ -69,12 +79,20 @@ class DrainingServer(uvicorn.Server):
     streams end at once with a 503 error event and ``[DONE]`` (uvicorn alone
     cancelled them after 5 s, with a traceback and a cut stream). A second
     signal is uvicorn's forced exit.
+
+    Whatever still runs then (a long prompt on a tokenizer thread, a
+    constraint compile, a library call that does not return), the process
+    ends ``FORCED_EXIT_GRACE`` seconds after the drain's deadline: a
+    watchdog thread armed by the first signal logs ``shutdown_forced`` and
+    calls ``exit_process`` (``os._exit``) with ``FORCED_EXIT_STATUS``.
     """
 
-    def __init__(self, config: uvicorn.Config, engine, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine, drain_timeout: float,
+                 exit_process: Callable[[int], None] = os._exit) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout = drain_timeout
+        self.exit_process = exit_process
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
 
@@ -90,7 +108,22 @@ class DrainingServer(uvicorn.Server):
         timeout = self.drain_timeout if sig == signal.SIGTERM else 0.0
         name = "sigterm_received" if sig == signal.SIGTERM else "sigint_received"
         log.info(name, drain_timeout_s=timeout)
+        self._arm_watchdog(timeout + FORCED_EXIT_GRACE)
         self._loop.call_soon_threadsafe(self._start_drain, timeout)
+
+    def _arm_watchdog(self, seconds: float) -> threading.Timer:
+        """End the process in ``seconds`` unless it ended by itself."""
+        watchdog = threading.Timer(seconds, self._force_exit, args=(seconds,))
+        watchdog.daemon = True
+        watchdog.start()
+        return watchdog
+
+    def _force_exit(self, seconds: float) -> None:
+        log.error("shutdown_forced", seconds=seconds, status=FORCED_EXIT_STATUS,
+                  message=f"Shutdown did not finish within {seconds:g} s of the signal "
+                          f"(--drain-timeout + {FORCED_EXIT_GRACE:g} s): exiting now")
+        sys.stderr.flush()
+        self.exit_process(FORCED_EXIT_STATUS)
 
     def _start_drain(self, timeout: float) -> None:
         asyncio.ensure_future(self._drain(timeout))

@@ -33,10 +33,9 @@ from kvserve.actors.messages import (
     StreamEvent,
 )
 from kvserve.actors.detokenizer import token_bytes_of
+from kvserve.actors.tokenizer import PromptError, check_message_count
 from kvserve.actors.stream import EngineClient, RequestStream
 from kvserve.api.errors import APIError, error_body, from_failed
-from kvserve.structured.grammar import GrammarError
-from kvserve.structured.grammar import check as check_grammar
 from kvserve.api.protocol import (
     ChatCompletionRequest,
     ChoiceState,
@@ -147,6 +146,22 @@ def _too_large(max_bytes: int) -> APIError:
                     code="request_too_large")
 
 
+def refuse_message_flood(data: dict[str, Any], engine: EngineClient) -> None:
+    """400 naming ``messages`` when a body holds more chat messages than the
+    context can hold (``check_message_count``), found from the list's
+    length before the body is validated or rendered: a 1 MiB body carries
+    ~33,000 messages, which cost seconds of validation and rendering."""
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return
+    per = getattr(getattr(engine, "tokenizer", None), "min_tokens_per_message", 1)
+    try:
+        check_message_count(len(messages), per if isinstance(per, int) else 1,
+                            engine.max_model_len)
+    except PromptError as exc:
+        raise APIError(400, str(exc), param="messages") from exc
+
+
 def parse_model(model_cls: type[ModelT], data: dict[str, Any]) -> ModelT:
     """Validate ``data``; a ``ValidationError`` becomes a 400 naming the field."""
     try:
@@ -191,8 +206,9 @@ class RequestHeaders:
 
 def sampling_params_or_400(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
     """``body.sampling_params()``, its ``ValueError`` as a 400 naming the
-    field; a structured-output constraint that does not compile is a 400
-    naming its field and llguidance's reason."""
+    field. A structured-output constraint is compiled later, by the engine
+    (``kvserve.structured.compiler``: bounded, never on the event loop),
+    which refuses one that does not compile with a 400 naming its field."""
     try:
         params = body.sampling_params()
     except ValueError as exc:
@@ -203,13 +219,6 @@ def sampling_params_or_400(body: ChatCompletionRequest | CompletionRequest) -> S
         if param == "logprobs" and getattr(body, "top_logprobs", None) is not None:
             param = "top_logprobs"
         raise APIError(400, message, param=param) from exc
-    if params.structured_outputs is not None:
-        try:
-            check_grammar(params.structured_outputs)
-        except GrammarError as exc:
-            field_ = body.structured_outputs_field()
-            raise APIError(400, f"{field_}: the {params.structured_outputs.kind} constraint "
-                           f"cannot be compiled: {exc}", param=field_) from exc
     return params
 
 
@@ -597,9 +606,8 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
                         token_bytes=token_bytes_for(engine), echo=echo,
                         echo_text=inputs.get("prompt") if echo else None,
                         hidden_token_ids=_hidden_ids(engine, params),
-                        tool_calls=isinstance(body, ChatCompletionRequest) and body.tools_active,
-                        forced_tool_calls=(isinstance(body, ChatCompletionRequest)
-                                           and body.forced_tool()[0]))
+                        tools=body.tool_reply() if isinstance(body, ChatCompletionRequest)
+                        else None)
     if config.log_prompts:
         log.info("api_request_prompt", request_id=request_id, prompt=inputs.get("prompt"),
                  prompt_token_ids=inputs.get("prompt_token_ids"),

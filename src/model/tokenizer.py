@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from functools import lru_cache
@@ -81,6 +82,7 @@ class Tokenizer:
         self.chat_template: str | None = self._config.get("chat_template")
         self.add_bos_token: bool = bool(self._config.get("add_bos_token", False))
         self._max_token_bytes: int | None = None
+        self._min_tokens_per_message: int | None = None
         self._special_ids = frozenset(
             i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
 
@@ -139,6 +141,31 @@ class Tokenizer:
             self._max_token_bytes = max(len(self.id_to_bytes(i)) for i in range(self.vocab_size))
         return self._max_token_bytes
 
+    @property
+    def min_tokens_per_message(self) -> int:
+        """Fewest tokens one more chat message adds, by this chat template
+        (1 when it cannot tell): a lower bound that refuses a chat of more
+        messages than the context can hold before rendering it.
+
+        Measured once per role (``system``, ``user``, ``assistant``) as the
+        tokens of two empty messages of that role minus those of one; the
+        smallest wins, so any mix of roles costs at least this per message.
+        A template that refuses a role twice in a row cannot be measured
+        that way and gives no figure (ChatML-style templates accept it).
+        """
+        if self._min_tokens_per_message is None:
+            costs = []
+            for role in ("system", "user", "assistant"):
+                try:
+                    one, two = (len(self.encode(self.apply_chat_template(
+                        [{"role": role, "content": ""}] * k, add_generation_prompt=False)))
+                        for k in (1, 2))
+                except ValueError:
+                    continue
+                costs.append(two - one)
+            self._min_tokens_per_message = max(1, min(costs)) if costs else 1
+        return self._min_tokens_per_message
+
     def encode_text(self, text: str) -> list[int]:
         """Token ids of ``text`` with special-token strings in it encoded as
         ordinary text (``<|im_start|>`` becomes the tokens of those characters,
@@ -171,13 +198,14 @@ class Tokenizer:
                 masked.append(message)
         pieces = _SLOT_RE.split(self.apply_chat_template(masked, add_generation_prompt, **kwargs))
         parts = [contents[int(p)] if i % 2 else p for i, p in enumerate(pieces)]
-        spans, start = [], 0
+        starts, ends, at = [], [], 0
         for i, part in enumerate(parts):
             if i % 2:
-                spans.append((start, start + len(part)))
-            start += len(part)
+                starts.append(at)
+                ends.append(at + len(part))
+            at += len(part)
         whole = self._encoding("".join(parts))
-        if not any(token in self._special_ids and any(a <= begin < b for a, b in spans)
+        if not any(token in self._special_ids and _inside(begin, starts, ends)
                    for token, (begin, _) in zip(whole.ids, whole.offsets)):
             return whole.ids
         return [t for i, part in enumerate(parts) if part
@@ -255,6 +283,15 @@ class Tokenizer:
             raise ValueError(f"unsafe chat template: {exc}") from exc
         except TemplateError as exc:
             raise ValueError(f"chat template error: {exc}") from exc
+
+
+def _inside(offset: int, starts: list[int], ends: list[int]) -> bool:
+    """Whether character ``offset`` lies in one of the spans ``[starts[i],
+    ends[i])``, which are sorted and disjoint: a binary search, so checking
+    every special token of a chat costs O(tokens log messages), not
+    O(tokens x messages) (4,000 messages took 46 s that way)."""
+    i = bisect.bisect_right(starts, offset) - 1
+    return i >= 0 and offset < ends[i]
 
 
 #: Placeholders for message contents while the template renders (Unicode
