@@ -7,16 +7,42 @@ with short prompts and 1..``--max-tokens`` tokens; streams the client hangs up
 on after 1-2 chunks; bad requests (invalid JSON, unknown model, negative
 ``max_tokens``, wrong types, ...) that must get a 4xx; bursts of
 ``--burst-size`` requests at once; prompts too long for ``max_model_len``
-(from ``GET /v1/models``) that must get a 400; and slow clients that pause
-between chunks. A probe stream runs throughout; its inter-token latencies
-(ITL) are reported as p50/p99.
+(from ``GET /v1/models``) that must get a 400; slow clients that pause
+between chunks; and three hostile kinds, a few percent each:
+
+- ``constraint``: a chat (``max_tokens`` 4-8, temperature 0) with a
+  structured-output constraint in one of ``guided_json``,
+  ``response_format`` (``json_schema``), ``guided_regex``,
+  ``guided_choice``, ``guided_grammar`` or ``tools`` (with ``tool_choice:
+  "required"``): ``oversized`` (70-100 KB, over kvserve's default
+  ``--structured-outputs-max-bytes`` of 64 KiB) and ``invalid`` (a small
+  one that does not compile, e.g. ``{"type": "nonsense"}``) must get a
+  400; ``large`` (40-56 KB, valid, salted so that the server's compile
+  cache never has it: each one costs a real compile; not in ``tools``, whose
+  schemas also go into the prompt) must complete;
+- ``smuggle``: request smuggling on a raw TCP connection: a ``POST
+  /v1/completions`` with both ``Content-Length`` and ``Transfer-Encoding``
+  (``chunked``, ``gzip, chunked`` or ``transfer-encoding: Chunked``; either
+  header first) whose body hides a ``GET /v1/models``. Everything up to the
+  server's close must be exactly one response, a 400;
+- ``flood``: a chat of more messages than ``max_model_len`` tokens can hold
+  (``max_model_len`` + 1..1000, sometimes 20,000; under 1 MB of JSON): a 400.
+
+A probe stream runs throughout; its inter-token latencies (ITL) are
+reported as p50/p99. Kinds that need ``max_model_len`` (``oversized``,
+``flood``) send a normal stream when it is unknown.
 
 Every request gets one outcome: ``complete`` (200 and a full answer; a stream
 ends with ``[DONE]``), ``4xx`` (a bad request refused as it should be),
 ``429/503`` (refused for load: acceptable), ``disconnect`` (we hung up on
-purpose), or a failure: ``5xx``, ``transport_error``, ``timeout``,
-``unexpected_4xx`` (a 4xx for a well-formed request), ``unexpected_2xx`` (a
-bad request accepted), ``bad_body`` (a 200 with a malformed body or stream).
+purpose), or a failure: ``5xx``, ``transport_error`` (for a smuggling attempt:
+also a close with no response), ``timeout`` (for a smuggling attempt: also no
+close by the deadline), ``unexpected_4xx`` (a 4xx for a well-formed request,
+or another 4xx than the 400 expected), ``unexpected_2xx`` (a bad request
+accepted), ``bad_body`` (a 200 with a malformed body or stream; bytes that
+are no HTTP response), ``smuggled`` (more than one response to a smuggling
+attempt: the hidden request ran). The check ``accounted`` fails unless the
+outcomes are exactly as many as the requests sent (probe included).
 
 After the load, waiting on each condition up to ``--settle-timeout`` seconds:
 ``/health`` is 200; the gauges ``kvserve:num_requests_running`` and
@@ -41,6 +67,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shlex
 import sys
 import tempfile
@@ -60,13 +87,14 @@ from kvserve.bench.workload import synth_text
 
 #: Every outcome class, in table order.
 OUTCOMES = ("complete", "4xx", "429/503", "disconnect", "5xx", "transport_error", "timeout",
-            "unexpected_4xx", "unexpected_2xx", "bad_body")
+            "unexpected_4xx", "unexpected_2xx", "bad_body", "smuggled")
 #: The outcomes that fail the soak.
 FAILURES = frozenset({"5xx", "transport_error", "timeout", "unexpected_4xx", "unexpected_2xx",
-                      "bad_body"})
+                      "bad_body", "smuggled"})
 #: Default traffic mix (relative weights of the request kinds).
 DEFAULT_MIX = {"stream": 0.3, "plain": 0.2, "disconnect": 0.1, "bad": 0.15, "burst": 0.05,
-               "oversized": 0.05, "slow": 0.15}
+               "oversized": 0.05, "slow": 0.15, "constraint": 0.04, "smuggle": 0.03,
+               "flood": 0.03}
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 GAUGES = ("kvserve:num_requests_running", "kvserve:num_requests_waiting",
           "kvserve:kv_cache_usage_perc")
@@ -171,6 +199,7 @@ class Plan:
     path: str
     body: dict | None = None
     raw: bytes | None = None  # sent as is instead of ``body`` (invalid JSON)
+    wire: bytes | None = None  # a whole HTTP request sent as is on a new TCP connection
     stream: bool = False
     expect: str = "ok"  # see ``classify``
     max_tokens: int | None = None
@@ -270,6 +299,179 @@ def oversized_plan(rng: random.Random, target: Target) -> Plan:
                 expect="400")
 
 
+# Constraints: the server's default ``--structured-outputs-max-bytes`` (64 KiB, counted
+# as ``constraint_bytes`` does), the request fields that carry one, and the sizes
+# (bytes) drawn for a ``large`` constraint (valid, under the limit) and an
+# ``oversized`` one (over it).
+CONSTRAINT_MAX_BYTES = 64 * 1024
+CONSTRAINT_FIELDS = ("guided_json", "response_format", "guided_regex", "guided_choice",
+                     "guided_grammar", "tools")
+LARGE_CONSTRAINT_BYTES, OVERSIZED_CONSTRAINT_BYTES = (40_000, 56_000), (70_000, 100_000)
+#: The fields of a ``large`` constraint: not ``tools``, whose schemas are also
+#: written into the prompt (40 KB of schema is over any small ``max_model_len``).
+LARGE_FIELDS = CONSTRAINT_FIELDS[:-1]
+#: Small constraints that do not compile (or are malformed), by field.
+INVALID_CONSTRAINTS: dict[str, Any] = {
+    "guided_json": {"type": "nonsense"},
+    "response_format": {"type": "nonsense"},
+    "guided_regex": "[0-9",
+    "guided_choice": [],
+    "guided_grammar": "start: (",
+    "tools": {"type": "object", "properties": {"a": {"type": "bogus"}}},
+}
+
+
+def constraint_bytes(name: str, value: Any) -> int:
+    """The size kvserve counts of constraint ``value`` of field ``name``: UTF-8
+    bytes of a regex or grammar, of a schema's JSON text (``json.dumps``; for
+    ``tools``, of the ``parameters`` schema: the server counts the grammar
+    that embeds it, ~400 bytes more), for ``guided_choice`` each option's
+    bytes + 3."""
+    if name == "guided_choice":
+        return sum(len(option.encode()) + 3 for option in value)
+    return len((value if isinstance(value, str) else json.dumps(value)).encode())
+
+
+def _smallest(make: Callable[[int], Any], name: str, size: int) -> Any:
+    """``make(n)`` of the fewest items ``n`` with at least ``size`` bytes
+    (``constraint_bytes``; it grows with ``n``)."""
+    lo, hi = 1, 64
+    while constraint_bytes(name, make(hi)) < size:
+        lo, hi = hi + 1, hi * 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if constraint_bytes(name, make(mid)) >= size else (mid + 1, hi)
+    return make(lo)
+
+
+def sized_constraint(name: str, size: int, rng: random.Random) -> Any:
+    """A valid constraint of field ``name`` of at least ``size`` bytes and at
+    most one item more (``constraint_bytes``), salted with random letters so
+    that the server's compile cache never has it: a schema of many optional
+    properties (~60 bytes each: 50 KB is ~850 of them, ~0.2 s of llguidance
+    on one idle core; without descriptions twice as many cost ~0.5 s, too
+    close to the server's 5 s deadline for its compiler child at low CPU
+    priority on a loaded machine), an alternation of words, many choices,
+    or a Lark grammar of many one-literal rules (over
+    ``CONSTRAINT_MAX_BYTES``: chained rules, the costly kind to compile)."""
+    salt = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=8))
+    types = ("integer", "string", "boolean")
+    makers: dict[str, Callable[[int], Any]] = {
+        "schema": lambda n: {"type": "object", "properties": {
+            f"{salt}_{i}": {"type": types[i % 3], "description": f"field {i}"}
+            for i in range(n)}},
+        "guided_regex": lambda n: "(" + "|".join(f"{salt}{i}" for i in range(n)) + ")",
+        "guided_choice": lambda n: [f"{salt} choice {i}" for i in range(n)],
+        "flat": lambda n: ("start: " + " | ".join(f"w{i}" for i in range(n)) + "\n"
+                           + "".join(f'w{i}: "{salt} {i}"\n' for i in range(n))),
+        "chained": lambda n: ("start: r0\n" + "".join(f'r{i}: r{i + 1} "x"\n' for i in range(n))
+                              + f'r{n}: "{salt}"\n'),
+    }
+    kind = {"guided_json": "schema", "response_format": "schema", "tools": "schema",
+            "guided_grammar": "chained" if size > CONSTRAINT_MAX_BYTES else "flat"}.get(name, name)
+    return _smallest(makers[kind], name, size)
+
+
+def constraint_fields(name: str, value: Any) -> dict[str, Any]:
+    """The request fields that set constraint ``value`` by ``name``
+    (``tools``: one function with ``value`` as its ``parameters``, required)."""
+    if name == "response_format":
+        return {name: {"type": "json_schema", "json_schema": {"name": "x", "schema": value}}}
+    if name == "tools":
+        return {"tools": [{"type": "function", "function": {
+                    "name": "soak_tool", "description": "Record the fields.",
+                    "parameters": value}}],
+                "tool_choice": "required"}
+    return {name: value}
+
+
+def constraint_plan(rng: random.Random, target: Target) -> Plan:
+    """A chat with a structured-output constraint of a random field and
+    variant (``constraint_request``)."""
+    variant = rng.choice(("oversized", "large", "invalid"))
+    fields = LARGE_FIELDS if variant == "large" else CONSTRAINT_FIELDS
+    return constraint_request(variant, rng.choice(fields), rng, target)
+
+
+def constraint_request(variant: str, name: str, rng: random.Random, target: Target) -> Plan:
+    """A chat whose field ``name`` holds a constraint that is ``oversized``
+    (over ``CONSTRAINT_MAX_BYTES``: must get a 400), ``large`` (valid, under
+    it: must complete; ``name`` one of ``LARGE_FIELDS``) or ``invalid``
+    (``INVALID_CONSTRAINTS``: a 400)."""
+    if variant == "invalid":
+        value = INVALID_CONSTRAINTS[name]
+    else:
+        sizes = LARGE_CONSTRAINT_BYTES if variant == "large" else OVERSIZED_CONSTRAINT_BYTES
+        value = sized_constraint(name, rng.randint(*sizes), rng)
+    tokens = rng.randint(4, 8)
+    body = {**_text_body(True, "Fill in the fields.", target.model), "max_tokens": tokens,
+            "temperature": 0.0, **constraint_fields(name, value)}
+    return Plan("constraint", f"constraint/{variant}/{name}", "/v1/chat/completions", body,
+                expect="ok" if variant == "large" else "400", max_tokens=tokens)
+
+
+#: A flood's messages: the most bytes of its JSON body (under ``kvserve serve``'s
+#: default 1 MiB ``--max-request-bytes``) and the large count sometimes sent.
+FLOOD_MAX_BYTES, FLOOD_LARGE_COUNT = 1_000_000, 20_000
+
+
+def flood_plan(rng: random.Random, target: Target) -> Plan | None:
+    """A chat of more short messages than ``max_model_len`` tokens can hold
+    (``max_model_len`` + 1..1000, or sometimes ``FLOOD_LARGE_COUNT``): must
+    get a 400. None when its JSON would pass ``FLOOD_MAX_BYTES``."""
+    limit = int(target.max_model_len or 0)
+    large = rng.random() < 0.25 and FLOOD_LARGE_COUNT > limit
+    count = FLOOD_LARGE_COUNT if large else limit + rng.randint(1, 1000)
+    messages = [{"role": ("user", "assistant")[i % 2], "content": "hi"} for i in range(count - 1)]
+    body = {**_text_body(True, "Say hi.", target.model), "max_tokens": 4,
+            "stream": rng.random() < 0.5}
+    body["messages"] = [*messages, *body["messages"]]
+    if len(json.dumps(body).encode()) > FLOOD_MAX_BYTES:
+        return None
+    return Plan("flood", f"flood/{'large' if large else 'over_context'}", "/v1/chat/completions",
+                body, stream=body["stream"], expect="400")
+
+
+#: The request a smuggling attempt hides in its body; the spellings of
+#: ``Transfer-Encoding`` tried (``(name, value)``).
+SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+SMUGGLE_ENCODINGS = {"chunked": ("Transfer-Encoding", "chunked"),
+                     "gzip_chunked": ("Transfer-Encoding", "gzip, chunked"),
+                     "mixed_case": ("transfer-encoding", "Chunked")}
+
+
+def smuggle_request(desync: str, order: str, encoding: str) -> bytes:
+    """A ``POST /v1/completions`` with both ``Content-Length`` and
+    ``Transfer-Encoding`` (``SMUGGLE_ENCODINGS[encoding]``; ``order``
+    ``cl_first`` or ``te_first``) whose body hides ``SMUGGLED``: after an
+    empty last chunk, inside ``Content-Length`` (``cl.te``: a server that
+    reads chunks sees it as the next request), or as a chunk's data beyond
+    a short ``Content-Length`` (``te.cl``: one that reads the length does)."""
+    if desync == "cl.te":
+        body, length = b"0\r\n\r\n" + SMUGGLED, None
+    else:
+        size = f"{len(SMUGGLED):x}\r\n".encode()
+        body, length = size + SMUGGLED + b"\r\n0\r\n\r\n", len(size)
+    te_name, te_value = SMUGGLE_ENCODINGS[encoding]
+    framing = [f"Content-Length: {len(body) if length is None else length}",
+               f"{te_name}: {te_value}"]
+    if order == "te_first":
+        framing.reverse()
+    head = ["POST /v1/completions HTTP/1.1", "Host: localhost",
+            "Content-Type: application/json", *framing]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("ascii") + body
+
+
+def smuggle_plan(rng: random.Random, target: Target) -> Plan:
+    """A request smuggling attempt (``smuggle_request``) sent as is over a new
+    TCP connection: must get exactly one response, a 400, then a close
+    (``wire_outcome``)."""
+    desync, order = rng.choice(("cl.te", "te.cl")), rng.choice(("cl_first", "te_first"))
+    encoding = rng.choice(sorted(SMUGGLE_ENCODINGS))
+    return Plan("smuggle", f"smuggle/{desync}/{encoding}/{order}", "/v1/completions",
+                wire=smuggle_request(desync, order, encoding), expect="400")
+
+
 def make_plans(kind: str, rng: random.Random, target: Target) -> list[Plan]:
     """The request(s) of one draw of the mix: one, or ``burst_size`` for a burst."""
     if kind in ("stream", "plain"):
@@ -284,10 +486,15 @@ def make_plans(kind: str, rng: random.Random, target: Target) -> list[Plan]:
         return [replace(plan, pause_s=round(rng.uniform(0.05, 0.4), 3))]
     if kind == "bad":
         return [bad_plan(rng, target)]
-    if kind == "oversized":
-        if not target.max_model_len:  # unknown limit: nothing is sure to be too long
-            return [generation_plan("stream", rng, target, stream=True)]
-        return [oversized_plan(rng, target)]
+    if kind in ("oversized", "flood"):
+        plan = None
+        if target.max_model_len:  # unknown limit: nothing is sure to be too long
+            plan = oversized_plan(rng, target) if kind == "oversized" else flood_plan(rng, target)
+        return [plan or generation_plan("stream", rng, target, stream=True)]
+    if kind == "constraint":
+        return [constraint_plan(rng, target)]
+    if kind == "smuggle":
+        return [smuggle_plan(rng, target)]
     if kind == "burst":
         return [generation_plan("burst", rng, target, stream=rng.random() < 0.5)
                 for _ in range(target.burst_size)]
@@ -363,6 +570,14 @@ def usage_problem(usage: dict | None, plan: Plan) -> str | None:
     return None
 
 
+def finish_problem(reason: Any, plan: Plan) -> str | None:
+    """Why ``reason`` cannot end ``plan``'s answer (``stop`` or ``length``;
+    ``tool_calls`` too when it offers tools), or None."""
+    tools = isinstance(plan.body, dict) and bool(plan.body.get("tools"))
+    return None if reason in ("stop", "length") or (tools and reason == "tool_calls") \
+        else f"finish_reason {reason!r}"
+
+
 def body_problem(raw: bytes, plan: Plan) -> str | None:
     """Why a non-streamed 200 body is malformed, or None."""
     try:
@@ -372,9 +587,8 @@ def body_problem(raw: bytes, plan: Plan) -> str | None:
     choices = data.get("choices") if isinstance(data, dict) else None
     if not choices or not isinstance(choices[0], dict):
         return "no choices"
-    if choices[0].get("finish_reason") not in ("stop", "length"):
-        return f"finish_reason {choices[0].get('finish_reason')!r}"
-    return usage_problem(data.get("usage"), plan)
+    return finish_problem(choices[0].get("finish_reason"), plan) \
+        or usage_problem(data.get("usage"), plan)
 
 
 def apply_event(st: StreamRead, payload: str, plan: Plan) -> bool:
@@ -409,9 +623,7 @@ def stream_end_problem(st: StreamRead, plan: Plan) -> str | None:
     """Why a stream read to its end is not a full answer, or None."""
     if not st.done:
         return f"stream ended without [DONE] after {st.events} events"
-    if st.finish_reason not in ("stop", "length"):
-        return f"finish_reason {st.finish_reason!r}"
-    return usage_problem(st.usage, plan)
+    return finish_problem(st.finish_reason, plan) or usage_problem(st.usage, plan)
 
 
 async def read_stream(resp: httpx.Response, plan: Plan) -> StreamRead:
@@ -440,8 +652,71 @@ def _error_text(raw: bytes) -> str:
     return raw[:200].decode("utf-8", "replace")
 
 
+#: A response's status line, and a ``Content-Length`` header line within its head.
+STATUS_LINE = re.compile(rb"HTTP/\d(?:\.\d)? (\d{3})[^\r\n]*\r\n")
+CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
+#: The most bytes read back on a raw connection (``Plan.wire``).
+WIRE_MAX_BYTES = MIB
+
+
+def http_statuses(data: bytes) -> list[int]:
+    """The statuses of the HTTP responses in ``data``, one after another:
+    each body is skipped by its ``Content-Length``; after a head without
+    one, the next status line anywhere starts another response."""
+    statuses, pos = [], 0
+    while (line := STATUS_LINE.search(data, pos)) is not None:
+        statuses.append(int(line[1]))
+        end = data.find(b"\r\n\r\n", line.start())
+        if end < 0:
+            break
+        length = CONTENT_LENGTH.search(data, line.end() - 2, end + 2)
+        pos = end + 4 + (int(length[1]) if length else 0)
+    return statuses
+
+
+def wire_outcome(expect: str, data: bytes) -> tuple[str, int | None, str | None]:
+    """(outcome, status, detail) of all that came back on a raw connection
+    before its close: one response, classified by its status (``classify``);
+    ``smuggled`` for more than one (a request hidden in the body ran);
+    ``transport_error`` for nothing; ``bad_body`` for bytes that are not
+    an HTTP response."""
+    statuses = http_statuses(data)
+    if not data:
+        return "transport_error", None, "connection closed with no response"
+    if not data.startswith(b"HTTP/") or not statuses:
+        return "bad_body", None, f"not an HTTP response: {data[:80]!r}"
+    if len(statuses) > 1:
+        return "smuggled", statuses[0], f"{len(statuses)} responses, statuses {statuses}"
+    return classify(expect, statuses[0]), statuses[0], _error_text(data.partition(b"\r\n\r\n")[2])
+
+
+async def _exchange_wire(client: httpx.AsyncClient, plan: Plan) -> Attempt:
+    """Send ``plan.wire`` on a new TCP connection to ``client``'s server, read
+    until the server closes it (``WIRE_MAX_BYTES`` at most) and classify
+    what came (``wire_outcome``). A reset after some bytes ends the read;
+    one before any raises (``ConnectionResetError``)."""
+    url, data = client.base_url, b""
+    tls = url.scheme == "https"
+    reader, writer = await asyncio.open_connection(url.host, url.port or (443 if tls else 80),
+                                                   ssl=tls or None)
+    try:
+        writer.write(plan.wire or b"")
+        await writer.drain()
+        while len(data) < WIRE_MAX_BYTES and (chunk := await reader.read(65536)):
+            data += chunk
+    except ConnectionResetError:
+        if not data:
+            raise
+    finally:
+        writer.close()
+    outcome, status, detail = wire_outcome(plan.expect, data)
+    return Attempt(plan.kind, plan.label, outcome, status, detail)
+
+
 async def _exchange(client: httpx.AsyncClient, plan: Plan) -> Attempt:
     """Send ``plan`` and classify the answer (exceptions propagate)."""
+    if plan.wire is not None:
+        return await _exchange_wire(client, plan)
     if plan.raw is not None:
         kwargs: dict[str, Any] = {"content": plan.raw,
                                   "headers": {"content-type": "application/json"}}
@@ -483,11 +758,14 @@ async def send(client: httpx.AsyncClient, plan: Plan, timeout_s: float) -> Attem
 
 class Budget:
     """Requests left to send: stops at ``deadline`` (``time.monotonic``
-    seconds), after ``max_requests``, or at ``stop()``, whichever comes first."""
+    seconds), after ``max_requests``, or at ``stop()``, whichever comes first.
+    ``granted`` counts the requests granted: each must end as one outcome
+    (``check_accounted``)."""
 
     def __init__(self, deadline: float, max_requests: int | None) -> None:
         self.deadline = deadline
         self.left = max_requests if max_requests is not None else 1 << 62
+        self.granted = 0
         self.stopped: str | None = None  # why the load stopped early
 
     def stop(self, reason: str) -> None:
@@ -499,6 +777,7 @@ class Budget:
             return 0
         granted = min(n, self.left)
         self.left -= granted
+        self.granted += granted
         return granted
 
 
@@ -520,7 +799,8 @@ def _stop_if_server_gone(budget: Budget, attempts: list[Attempt]) -> None:
     """A refused connection means no server on the port: stop the load
     rather than spin on connection errors."""
     for a in attempts:
-        if a.outcome == "transport_error" and (a.detail or "").startswith("ConnectError"):
+        if a.outcome == "transport_error" and \
+                (a.detail or "").startswith(("ConnectError", "ConnectionRefusedError")):
             budget.stop(f"cannot connect: {a.detail}")
 
 
@@ -533,12 +813,22 @@ async def _probe(client: httpx.AsyncClient, target: Target, budget: Budget, time
         results.append(attempt)
 
 
+@dataclass
+class Load:
+    """What ``run_load`` did: the attempts, its duration (s), the requests
+    the budget granted and why it stopped early (None: it ran to its bound)."""
+
+    attempts: list[Attempt]
+    duration_s: float
+    granted: int
+    stopped: str | None
+
+
 async def run_load(base_url: str, target: Target, *, concurrency: int, mix: dict[str, float],
                    seed: int, duration_s: float, max_requests: int | None, timeout_s: float,
-                   headers: dict[str, str]) -> tuple[list[Attempt], float, str | None]:
+                   headers: dict[str, str]) -> Load:
     """``concurrency`` workers and the probe until the budget is spent; in-flight
-    requests are let finish. Returns the attempts, the duration (s) and why
-    the load stopped early (None: it ran to its bound)."""
+    requests are let finish."""
     budget = Budget(time.monotonic() + duration_s, max_requests)
     results: list[Attempt] = []
     limits = httpx.Limits(max_connections=concurrency * (target.burst_size + 1) + 8)
@@ -549,7 +839,7 @@ async def run_load(base_url: str, target: Target, *, concurrency: int, mix: dict
         tasks = [_worker(client, random.Random(f"{seed}/{i}"), mix, target, budget, timeout_s,
                          results) for i in range(concurrency)]
         await asyncio.gather(_probe(client, target, budget, timeout_s, results), *tasks)
-    return results, time.perf_counter() - start, budget.stopped
+    return Load(results, time.perf_counter() - start, budget.granted, budget.stopped)
 
 
 # --------------------------------------------------------------------------- server state
@@ -736,6 +1026,15 @@ def check_rss(base: Baseline, peak: float | None, limit_mib: float) -> Check:
                  f"{growth:+.1f} MiB (limit {limit_mib:g})")
 
 
+def check_accounted(granted: int, attempts: list[Attempt]) -> Check:
+    """Every request the budget granted ended as exactly one known outcome."""
+    unknown = Counter(a.outcome for a in attempts if a.outcome not in OUTCOMES)
+    ok = len(attempts) == granted and not unknown
+    detail = f"{len(attempts)} outcomes for {granted} requests" + (
+        f"; unknown outcomes {dict(unknown)}" if unknown else "")
+    return Check("accounted", "PASS" if ok else "FAIL", detail)
+
+
 def check_outcomes(counts: Counter) -> Check:
     bad = {k: counts[k] for k in OUTCOMES if k in FAILURES and counts[k]}
     return Check("no failures", "FAIL" if bad else "PASS",
@@ -747,9 +1046,10 @@ def check_outcomes(counts: Counter) -> Check:
 
 def summarize(attempts: list[Attempt], duration_s: float, base: Baseline,
               rss_samples: list[tuple[float, float]], fds_after: int | None,
-              checks: list[Check]) -> dict:
+              checks: list[Check], granted: int) -> dict:
     """The result dict (the ``--json`` file); ``passed`` decides the exit status.
-    ``rss_samples``: (seconds, MiB) of the server's RSS from the baseline on."""
+    ``rss_samples``: (seconds, MiB) of the server's RSS from the baseline on;
+    ``granted``: the requests the budget granted (``accounted``)."""
     peak = max((mib for _, mib in rss_samples), default=None)
     counts = Counter(a.outcome for a in attempts)
     itl_ms = [g * 1000.0 for a in attempts if a.kind == "probe" for g in a.itl]
@@ -760,6 +1060,7 @@ def summarize(attempts: list[Attempt], duration_s: float, base: Baseline,
     return {
         "outcomes": {k: counts[k] for k in OUTCOMES},
         "total": len(attempts),
+        "accounted": {"requests": granted, "outcomes": len(attempts)},
         "failures": sum(counts[k] for k in FAILURES),
         "duration_s": round(duration_s, 3),
         "requests_per_s": round(len(attempts) / duration_s, 3) if duration_s > 0 else None,
@@ -790,7 +1091,10 @@ def format_table(result: dict) -> str:
         rows.append((f"  {name}" + (" (failure)" if name in FAILURES else ""), str(count)))
     itl = result["probe_itl_ms"]
     rss = result["rss_mib"]
+    accounted = result["accounted"]
     rows += [("total requests", str(result["total"])),
+             ("requests granted / outcomes",
+              f"{accounted['requests']} / {accounted['outcomes']}"),
              ("duration (s)", _num(result["duration_s"])),
              ("requests/s", _num(result["requests_per_s"], ".2f")),
              (f"probe ITL p50 / p99 (ms, n={itl['n']})",
@@ -849,14 +1153,15 @@ async def soak(args: argparse.Namespace, base_url: str, pid: int | None) -> dict
         _log(f"load for {args.duration:g} s"
              + (f" or {args.max_requests} requests" if args.max_requests else "")
              + f" at concurrency {args.concurrency}")
-        attempts, duration, stopped = await run_load(
+        load = await run_load(
             base_url, target, concurrency=args.concurrency, mix=parse_mix(args.mix),
             seed=args.seed, duration_s=args.duration, max_requests=args.max_requests,
             timeout_s=args.request_timeout, headers=headers)
-        checks = [warm, *await end_checks(args, server, base, sampler, stopped),
-                  check_outcomes(Counter(a.outcome for a in attempts))]
-        result = summarize(attempts, duration, base, sampler.samples, await server.fds(),
-                           checks)
+        checks = [warm, *await end_checks(args, server, base, sampler, load.stopped),
+                  check_outcomes(Counter(a.outcome for a in load.attempts)),
+                  check_accounted(load.granted, load.attempts)]
+        result = summarize(load.attempts, load.duration_s, base, sampler.samples,
+                           await server.fds(), checks, load.granted)
     result["server"] = {"url": base_url, "pid": pid, "model": target.model,
                         "max_model_len": target.max_model_len}
     return result

@@ -1,5 +1,7 @@
 """tools/soak.py (``kvserve.bench.soak``): the pure parts (outcome classes,
-loopback check, percentile, gauges, stream checks, the seeded mix), then one
+loopback check, percentile, gauges, stream checks, the seeded mix), the
+hostile kinds (constraints sized as kvserve counts them, floods, smuggling
+against fake loopback servers), the accounting of every request, then one
 short soak against a live ``kvserve serve`` it starts itself."""
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from kvserve.bench.soak import (
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "soak.py"
 #: The live test's load: seed, workers, largest max_tokens, burst size.
-LIVE_SEED, LIVE_CONCURRENCY, LIVE_MAX_TOKENS, LIVE_BURST = 0, 8, 16, 4
+LIVE_SEED, LIVE_CONCURRENCY, LIVE_MAX_TOKENS, LIVE_BURST = 2529, 8, 16, 4
 
 
 # --------------------------------------------------------------------------- outcomes
@@ -76,7 +78,7 @@ def test_classify(expect, status, kwargs, outcome):
 
 def test_failure_classes():
     assert FAILURES == {"5xx", "transport_error", "timeout", "unexpected_4xx",
-                        "unexpected_2xx", "bad_body"}
+                        "unexpected_2xx", "bad_body", "smuggled"}
     assert FAILURES < set(OUTCOMES)
 
 
@@ -253,12 +255,22 @@ def test_plans_expectations():
             assert len(plans) == (4 if kind == "burst" else 1)
             for p in plans:
                 assert p.path in ("/v1/chat/completions", "/v1/completions")
-                assert p.expect == {"bad": "4xx", "oversized": "400"}.get(kind, "ok")
+                expect = {"bad": "4xx", "oversized": "400", "flood": "400", "smuggle": "400",
+                          "constraint": "ok" if "/large/" in p.label else "400"}
+                assert p.expect == expect.get(kind, "ok")
+                assert (p.wire is not None) == (kind == "smuggle")
                 if p.expect == "ok":
                     assert 1 <= p.body["max_tokens"] <= 16
                 assert (p.hangup_after in (1, 2)) == (kind == "disconnect")
                 assert (p.pause_s > 0) == (kind == "slow")
-    assert make_plans("oversized", rng, Target("m", None))[0].expect == "ok"
+    for kind in ("oversized", "flood"):  # unknown limit: a normal stream
+        assert make_plans(kind, rng, Target("m", None))[0].expect == "ok"
+
+
+def test_hostile_kinds_are_a_small_share():
+    hostile = ("constraint", "smuggle", "flood")
+    assert all(0 < DEFAULT_MIX[k] <= 0.05 for k in hostile)
+    assert sum(DEFAULT_MIX[k] for k in hostile) / sum(DEFAULT_MIX.values()) < 0.1
 
 
 def test_oversized_prompts():
@@ -283,7 +295,8 @@ def test_live_seed_draws_every_expected_kind_first():
     """The live test relies on it: whatever the machine's speed, each worker
     sends its first draw, and these cover a good, a bad and a hung-up request."""
     kinds = _first_kinds(LIVE_SEED, LIVE_CONCURRENCY)
-    assert {"bad", "disconnect"} <= kinds and kinds & {"stream", "plain", "burst", "slow"}
+    assert {"bad", "disconnect", "constraint", "smuggle", "flood"} <= kinds
+    assert kinds & {"stream", "plain", "burst", "slow"}
 
 
 def test_table_lists_everything():
@@ -293,19 +306,21 @@ def test_table_lists_everything():
     checks = [soak.Check("health", "PASS", "/health 200"),
               soak.Check("fds", "not checked", "no server pid"),
               soak.check_outcomes(Counter(a.outcome for a in attempts))]
-    result = soak.summarize(attempts, 2.0, soak.Baseline(None, None, 0.0), [], None, checks)
+    result = soak.summarize(attempts, 2.0, soak.Baseline(None, None, 0.0), [], None, checks, 3)
     assert result["total"] == 3 and result["failures"] == 1 and not result["passed"]
+    assert result["accounted"] == {"requests": 3, "outcomes": 3}
     assert result["probe_itl_ms"]["p50"] == pytest.approx(20.0)
     assert result["rss_mib"]["growth"] is None  # no pid: nothing sampled
     grown = soak.summarize(attempts, 2.0, soak.Baseline(20, 100.0, 0.0),
-                           [(0.0, 100.0), (1.0, 180.25), (2.0, 150.0)], 21, checks)
+                           [(0.0, 100.0), (1.0, 180.25), (2.0, 150.0)], 21, checks, 3)
     assert grown["rss_mib"]["peak"] == 180.25 and grown["rss_mib"]["end"] == 150.0
     assert grown["rss_mib"]["growth"] == pytest.approx(80.25)
     assert soak.check_rss(soak.Baseline(20, 100.0, 0.0), 180.25, 80.0).status == "FAIL"
     assert soak.check_rss(soak.Baseline(20, 100.0, 0.0), 180.0, 80.0).status == "PASS"
     table = soak.format_table(result)
     for word in (*OUTCOMES, "requests/s", "probe ITL", "RSS baseline / peak", "RSS growth",
-                 "fds before", "check health", "not checked", "FAIL"):
+                 "fds before", "check health", "not checked", "FAIL",
+                 "requests granted / outcomes"):
         assert word in table
     json.dumps(result)
 
@@ -334,7 +349,246 @@ def test_soak_live_kvserve(default_model_path, tmp_path):
     assert sum(outcomes.values()) == result["total"]
     assert {c["name"]: c["status"] for c in result["checks"]} == {
         "warm-up": "PASS", "load": "PASS", "health": "PASS", "idle gauges": "PASS", "fds": "PASS",
-        "rss growth": "PASS", "no failures": "PASS"}
+        "rss growth": "PASS", "no failures": "PASS", "accounted": "PASS"}
+    assert result["accounted"]["requests"] == result["accounted"]["outcomes"] == result["total"]
     assert result["by_kind"]["bad"].keys() <= {"4xx", "429/503"}
+    for kind in ("smuggle", "flood"):
+        assert result["by_kind"][kind].keys() <= {"4xx", "429/503"}, result["by_kind"]
     assert result["probe_itl_ms"]["n"] > 0 and result["server"]["max_model_len"] == 512
     assert "kvserve soak" in proc.stdout and "result" in proc.stdout
+
+
+
+# --------------------------------------------------------------------------- constraints
+
+
+VARIANTS = ("oversized", "large", "invalid")
+
+
+def _server_params(name: str, value):
+    """The constraint kvserve makes of ``value`` in field ``name`` (its
+    request model; for ``tools``, the grammar of ``tool_choice: "required"``)."""
+    from kvserve.api.protocol import ChatCompletionRequest
+    from kvserve.api.tools import tool_grammar
+
+    body = {"messages": [{"role": "user", "content": "x"}], **soak.constraint_fields(name, value)}
+    if name == "tools":
+        return tool_grammar(body["tools"], None, False)
+    return ChatCompletionRequest.model_validate(body).structured_outputs_params()
+
+
+@pytest.mark.parametrize("variant, name", [(v, n) for v in VARIANTS for n in soak.CONSTRAINT_FIELDS
+                                           if (v, n) != ("large", "tools")])
+def test_constraint_requests(variant, name):
+    plan = soak.constraint_request(variant, name, random.Random(3), Target("m", 512))
+    assert (plan.kind, plan.label, plan.path) == ("constraint", f"constraint/{variant}/{name}",
+                                                  "/v1/chat/completions")
+    assert plan.expect == ("ok" if variant == "large" else "400")
+    body = plan.body
+    assert 4 <= body["max_tokens"] == plan.max_tokens <= 8 and body["temperature"] == 0.0
+    assert body.get("tool_choice") == ("required" if name == "tools" else None)
+    if name == "response_format":
+        assert body[name]["type"] == "json_schema" and body[name]["json_schema"]["name"] == "x"
+    if variant == "invalid":
+        return
+    value = body["tools"][0]["function"]["parameters"] if name == "tools" \
+        else body[name]["json_schema"]["schema"] if name == "response_format" else body[name]
+    size = _server_params(name, value).size_bytes
+    if variant == "large":  # under the limit: 40-56 KB
+        assert 40_000 <= size < 57_000 < soak.CONSTRAINT_MAX_BYTES
+    else:  # over it: 70-100 KB
+        assert soak.CONSTRAINT_MAX_BYTES < 70_000 <= size < 101_000
+
+
+def test_constraint_plans_draw_every_variant(monkeypatch):
+    """Every (variant, field) but a large ``tools`` one: a tool's schema is
+    also written into the prompt, too long for a small context."""
+    monkeypatch.setattr(soak, "constraint_request", lambda variant, name, rng, target:
+                        (variant, name))
+    rng, target = random.Random(2), Target("m", 512)
+    drawn = {soak.constraint_plan(rng, target) for _ in range(300)}
+    assert drawn == {(v, n) for v in VARIANTS for n in soak.CONSTRAINT_FIELDS
+                     if (v, n) != ("large", "tools")}
+
+
+@pytest.mark.parametrize("name", soak.CONSTRAINT_FIELDS)
+def test_constraint_sizes_as_kvserve_counts(name):
+    rng = random.Random(4)
+    for size in (1_000, 40_000, 70_000):
+        value = soak.sized_constraint(name, size, rng)
+        got = soak.constraint_bytes(name, value)
+        assert size <= got < size + 64  # at least size, at most one item more
+        extra = _server_params(name, value).size_bytes - got  # a tool grammar embeds the schema
+        assert (0 < extra < 500) if name == "tools" else extra == 0
+    # salted: the server's compile cache never has one
+    assert soak.sized_constraint(name, 40_000, rng) != soak.sized_constraint(name, 40_000, rng)
+
+
+@pytest.mark.parametrize("name", soak.CONSTRAINT_FIELDS)
+def test_constraints_compile_as_expected(name):
+    """By kvserve's own compiler (grammar only, no matcher): a large one
+    compiles, an invalid one does not (``GrammarError`` is a ``ValueError``)."""
+    from kvserve.structured.grammar import to_grammar
+
+    assert to_grammar(_server_params(name, soak.sized_constraint(name, 40_000,
+                                                                  random.Random(5))))
+    with pytest.raises(ValueError):
+        to_grammar(_server_params(name, soak.INVALID_CONSTRAINTS[name]))
+
+
+# --------------------------------------------------------------------------- floods
+
+
+def test_flood_plans():
+    rng, target, seen = random.Random(6), Target("m", 512), set()
+    for _ in range(40):
+        plan = soak.flood_plan(rng, target)
+        seen.add(plan.label)
+        count = len(plan.body["messages"])
+        assert plan.kind == "flood" and plan.expect == "400" and plan.path == "/v1/chat/completions"
+        assert plan.stream == plan.body["stream"] and plan.body["model"] == "m"
+        assert (count == 20_000) if plan.label == "flood/large" else 512 < count <= 1512
+        assert plan.body["messages"][-1]["role"] == "user"
+        assert len(json.dumps(plan.body).encode()) <= soak.FLOOD_MAX_BYTES < 2**20
+    assert seen == {"flood/large", "flood/over_context"}
+
+
+def test_flood_too_big_for_a_body_sends_a_normal_request():
+    rng, target = random.Random(7), Target("m", 40_000)  # 40,001+ messages: over 1 MB
+    assert soak.flood_plan(rng, target) is None
+    assert make_plans("flood", rng, target)[0].expect == "ok"
+
+
+# --------------------------------------------------------------------------- smuggling
+
+
+@pytest.mark.parametrize("order", ["cl_first", "te_first"])
+@pytest.mark.parametrize("encoding", sorted(soak.SMUGGLE_ENCODINGS))
+@pytest.mark.parametrize("desync", ["cl.te", "te.cl"])
+def test_smuggle_request(desync, encoding, order):
+    raw = soak.smuggle_request(desync, order, encoding)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("ascii").split("\r\n")
+    assert lines[0] == "POST /v1/completions HTTP/1.1"
+    names = [line.split(":")[0].lower() for line in lines[1:]]
+    assert {"content-length", "transfer-encoding"} <= set(names)
+    assert (names.index("content-length") < names.index("transfer-encoding")) == \
+        (order == "cl_first")
+    te_name, te_value = soak.SMUGGLE_ENCODINGS[encoding]
+    assert f"{te_name}: {te_value}" in lines
+    length = int(next(line for line in lines if line.startswith("Content-Length")).split()[1])
+    if desync == "cl.te":  # the chunks end at once; the length covers the hidden request
+        assert length == len(body) and body == b"0\r\n\r\n" + soak.SMUGGLED
+    else:  # the length ends at the chunk size; the chunk holds the hidden request
+        assert body[length:].startswith(soak.SMUGGLED) and body.endswith(b"\r\n0\r\n\r\n")
+        assert int(body[:length], 16) == len(soak.SMUGGLED)
+
+
+def test_smuggle_plans():
+    rng = random.Random(8)
+    plans = [make_plans("smuggle", rng, Target("m", 512))[0] for _ in range(60)]
+    assert all(p.kind == "smuggle" and p.expect == "400" and p.wire for p in plans)
+    assert len({p.label for p in plans}) == 12  # 2 desyncs x 3 encodings x 2 orders
+
+
+RESPONSE_400 = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                b"content-length: 27\r\nconnection: close\r\n\r\n"
+                b'{"error": {"message": "x"}}')
+RESPONSE_200 = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
+
+
+@pytest.mark.parametrize("data, outcome, status", [
+    (RESPONSE_400, "4xx", 400),
+    (RESPONSE_400 + RESPONSE_200, "smuggled", 400),
+    (RESPONSE_400 + RESPONSE_400, "smuggled", 400),
+    (b"", "transport_error", None),
+    (RESPONSE_200, "unexpected_2xx", 200),
+    (RESPONSE_400.replace(b"400 Bad Request", b"413 Content Too Large"), "unexpected_4xx", 413),
+    (RESPONSE_400.replace(b"400 Bad Request", b"503 Service Unavailable"), "429/503", 503),
+    (b"garbage\r\n\r\n", "bad_body", None),
+    (RESPONSE_400[:-27] + b'HTTP/1.1 200 OK\r\n\r\n{"a": 1}', "4xx", 400),  # in the body: one
+    (RESPONSE_400.replace(b"content-length: 27\r\n", b"") + RESPONSE_200, "smuggled", 400),
+])
+def test_wire_outcome(data, outcome, status):
+    got, got_status, detail = soak.wire_outcome("400", data)
+    assert (got, got_status) == (outcome, status) and outcome in OUTCOMES
+    if data == RESPONSE_400:
+        assert detail == '{"error": {"message": "x"}}'
+
+
+def _send_to_fake_server(answer: bytes | None, close: bool = True,
+                         timeout_s: float = 10.0) -> soak.Attempt:
+    """``send`` a smuggling attempt to a loopback server that reads the
+    request, writes ``answer`` (None: nothing) and closes (or not)."""
+    import httpx
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if answer:
+            writer.write(answer)
+            await writer.drain()
+        if close:
+            writer.close()
+        else:
+            await asyncio.sleep(timeout_s * 2)
+
+    async def go() -> soak.Attempt:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        plan = make_plans("smuggle", random.Random(9), Target("m", 512))[0]
+        async with server, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            return await soak.send(client, plan, timeout_s)
+
+    return asyncio.run(go())
+
+
+def test_smuggle_against_fake_servers():
+    ok = _send_to_fake_server(RESPONSE_400)
+    assert (ok.kind, ok.outcome, ok.status) == ("smuggle", "4xx", 400)
+    assert _send_to_fake_server(RESPONSE_400 + RESPONSE_200).outcome == "smuggled"
+    assert _send_to_fake_server(None).outcome == "transport_error"
+    assert _send_to_fake_server(RESPONSE_400, close=False, timeout_s=0.3).outcome == "timeout"
+
+
+def test_finish_reasons():
+    plain = make_plans("plain", random.Random(1), Target("m", 512))[0]
+    tools = soak.constraint_request("invalid", "tools", random.Random(1), Target("m", 512))
+    for reason in ("stop", "length"):
+        assert soak.finish_problem(reason, plain) is None is soak.finish_problem(reason, tools)
+    assert soak.finish_problem("tool_calls", tools) is None
+    assert soak.finish_problem("tool_calls", plain) and soak.finish_problem(None, tools)
+
+
+# --------------------------------------------------------------------------- accounting
+
+
+def test_check_accounted():
+    attempts = [soak.Attempt("plain", "plain/chat", "complete", 200),
+                soak.Attempt("smuggle", "smuggle/x", "smuggled", 400)]
+    assert soak.check_accounted(2, attempts).status == "PASS"
+    assert soak.check_accounted(3, attempts).status == "FAIL"  # one request lost
+    assert "2 outcomes for 3 requests" in soak.check_accounted(3, attempts).detail
+    stray = [*attempts[:1], soak.Attempt("plain", "plain/chat", "mystery", 200)]
+    assert soak.check_accounted(2, stray).status == "FAIL"  # not in the table
+    budget = Budget(deadline=float("inf"), max_requests=5)
+    budget.take(3), budget.take(3), budget.take(1)
+    assert budget.granted == 5
+
+
+def test_run_load_accounts_for_every_request():
+    """Against a closed port (every kind refused at connect): the load stops,
+    and every request granted has its one outcome."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mix = dict.fromkeys(DEFAULT_MIX, 1.0)
+    load = asyncio.run(soak.run_load(
+        f"http://127.0.0.1:{port}", Target("m", 512, max_tokens=8, burst_size=3),
+        concurrency=6, mix=mix, seed=1, duration_s=30.0, max_requests=200, timeout_s=10.0,
+        headers={}))
+    assert load.stopped and "cannot connect" in load.stopped
+    assert 0 < load.granted == len(load.attempts)
+    assert {a.outcome for a in load.attempts} == {"transport_error"}
+    assert soak.check_accounted(load.granted, load.attempts).status == "PASS"
