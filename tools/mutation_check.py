@@ -246,6 +246,21 @@ MUTANTS: tuple[Mutant, ...] = (
            (("total += np.float32(acc) * x_scales[m, g]",
              "total += np.float32(acc) * x_scales[m, 0]"),),
            INT8_TESTS, "w8a8 decode kernel scales every group by the first group's scale"),
+    Mutant("stall_clock_not_restarted", "core/stall.py",
+           (("        if self._since is not None:\n            self._since = now",
+             "        if self._since is not None:\n            pass"),),
+           ("tests/core/test_core_stall.py",),
+           "a finished step does not restart the stall clock (a busy engine reads as stalled)"),
+    Mutant("stall_clock_kept_while_idle", "core/stall.py",
+           (("        if not has_work:\n            self._since = None",
+             "        if not has_work:\n            pass"),),
+           ("tests/core/test_core_stall.py",),
+           "an idle engine keeps its stall clock running (idle reads as stalled)"),
+    Mutant("message_bound_off_by_one", "actors/tokenizer.py",
+           (("    if num_messages * per > max_model_len:",
+             "    if num_messages * per >= max_model_len:"),),
+           ("tests/api/test_api_hostile_bodies.py",),
+           "a chat of exactly as many minimal messages as the context holds is refused"),
 )
 
 
