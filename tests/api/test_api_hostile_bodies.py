@@ -64,7 +64,8 @@ def test_a_shutdown_that_hangs_ends_the_process_past_the_drain_timeout(monkeypat
         exited.set()
 
     async def go() -> None:
-        server = DrainingServer(uvicorn.Config(app=None), _StuckEngine(), drain_timeout=0.3,
+        config = uvicorn.Config(app=None, log_config=None)  # leaves logging alone
+        server = DrainingServer(config, _StuckEngine(), drain_timeout=0.3,
                                 exit_process=exit_process)
         server._loop = asyncio.get_running_loop()
         server.handle_exit(signal.SIGTERM, None)
