@@ -44,6 +44,7 @@ from kvserve.plan import (  # noqa: F401 - KVCachePlan re-exported
     KVCachePlan, cap_to_cache, plan_kv_cache, resolve_max_model_len)
 from kvserve.stats_logger import StatsObserver
 from kvserve.structured.compiler import ConstraintCompiler
+from kvserve.structured.grammar import load_tokenizer
 from kvserve.structured.masks import StructuredOutputs
 
 log = structlog.get_logger("kvserve.engine")
@@ -67,6 +68,8 @@ class EngineCore:
     scheduler: Scheduler
     plan: KVCachePlan
     max_model_len: int
+    #: llguidance's tokenizer for the constraint compiler (``structured.grammar``).
+    constraint_tokenizer: object = None
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
@@ -113,6 +116,9 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
                     reason="KV cache holds fewer tokens than the context length")
     structured = StructuredOutputs(path / "tokenizer.json", model_config.vocab_size,
                                    model_config.eos_token_ids)
+    # The constraint compiler's tokenizer: built now, as it holds the GIL ~0.5 s.
+    constraint_tokenizer = load_tokenizer(path / "tokenizer.json", model_config.vocab_size,
+                                          model_config.eos_token_ids)
     runner = ModelRunner(model_config, model, backend.ops, plan.num_blocks, plan.block_size,
                          logprobs_mode=config.logprobs_mode, seed=config.seed,
                          structured=structured,
@@ -147,7 +153,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
              dtype=str(backend.dtype), weights_bytes=weights_bytes, seconds=seconds,
              message=f"Loaded in {seconds} s: {weights_bytes / 2**20:,.1f} MiB of weights, "
                      f"{plan.num_tokens:,} KV tokens")
-    return EngineCore(config, model_config, tokenizer, backend, runner, scheduler, plan, max_len)
+    return EngineCore(config, model_config, tokenizer, backend, runner, scheduler, plan, max_len,
+                      constraint_tokenizer)
 
 
 def model_fingerprint(path: Path, config: EngineConfig, backend: Backend) -> str:
@@ -263,7 +270,8 @@ class AsyncEngine:
             compiler=ConstraintCompiler(Path(core.config.model) / "tokenizer.json",
                                         core.model_config.vocab_size,
                                         core.model_config.eos_token_ids,
-                                        core.config.structured_outputs))
+                                        core.config.structured_outputs,
+                                        core.constraint_tokenizer))
         self.scheduler.worker = self.worker
         self.scheduler.detokenizer = self.detokenizer
         self.detokenizer.admission = self.admission

@@ -179,15 +179,29 @@ async def send_constraint(client: httpx.AsyncClient, name: str, fields: dict[str
         return Shot(name, over, start, accepted or time.monotonic(), 200)
 
 
-async def fire_constraints(client: httpx.AsyncClient, max_bytes: int, salt: str,
-                           max_model_len: int) -> list[Shot]:
-    """For each constraint field in turn: its largest accepted constraint,
-    then one just over ``max_bytes`` (see ``constraint_bodies``; the tools'
-    sized to ``max_model_len`` bytes, so their description fits the context)."""
-    largest = constraint_bodies(max_bytes, over=False, salt=salt, tools_bytes=max_model_len)
+def constraint_round(max_bytes: int, salt: str, tools_bytes: int
+                     ) -> list[tuple[str, bool, dict[str, Any]]]:
+    """``(field, over, request fields)`` for each constraint field in turn:
+    its largest accepted constraint, then one just over ``max_bytes`` (see
+    ``constraint_bodies``; the accepted tools' sized to ``tools_bytes``, at
+    most the context length in bytes so that their description fits it)."""
+    largest = constraint_bodies(max_bytes, over=False, salt=salt, tools_bytes=tools_bytes)
     oversized = constraint_bodies(max_bytes, over=True, salt=salt + "z")
-    shots = []
-    for name in CONSTRAINT_FIELDS:
-        shots.append(await send_constraint(client, name, largest[name], over=False))
-        shots.append(await send_constraint(client, name, oversized[name], over=True))
-    return shots
+    return [(name, over, (oversized if over else largest)[name])
+            for name in CONSTRAINT_FIELDS for over in (False, True)]
+
+
+def without_constraint(fields: dict[str, Any]) -> dict[str, Any]:
+    """The same request fields with no output constraint: the constraint
+    field dropped, tools kept (their description is prompt work) with
+    ``tool_choice: "auto"`` (no grammar)."""
+    if "tools" in fields:
+        return {**fields, "tool_choice": "auto"}
+    return {key: value for key, value in fields.items() if key not in CONSTRAINT_FIELDS}
+
+
+async def fire_constraints(client: httpx.AsyncClient, max_bytes: int, salt: str,
+                           tools_bytes: int) -> list[Shot]:
+    """Send ``constraint_round(...)``'s requests one after the other."""
+    return [await send_constraint(client, name, fields, over)
+            for name, over, fields in constraint_round(max_bytes, salt, tools_bytes)]

@@ -116,24 +116,50 @@ def busy_warning(policy: ThreadPolicy, load_average: float | None = None) -> str
 
 
 def other_runnable_threads(stat_path: str = "/proc/stat",
-                           tasks_dir: str = "/proc/self/task") -> int | None:
+                           tasks_dir: str = "/proc/self/task",
+                           proc_dir: str = "/proc") -> int | None:
     """Threads of *other* processes runnable right now: the kernel's
-    ``procs_running`` (``/proc/stat``) minus this process's threads in state
-    R (``/proc/self/task/*/stat``). None where /proc is missing (not Linux)."""
+    ``procs_running`` (``/proc/stat``) minus the threads in state R of this
+    process (``/proc/self/task/*/stat``) and of its child processes (listed
+    in ``task/*/children``: the constraint compiler, which runs at the
+    lowest priority and so yields the cores to the steps). None where /proc
+    is missing (not Linux)."""
     try:
         with open(stat_path, encoding="ascii") as handle:
             running = next(int(line.split()[1]) for line in handle
                            if line.startswith("procs_running"))
-        ours = 0
-        for task in os.listdir(tasks_dir):
-            try:
-                with open(f"{tasks_dir}/{task}/stat", encoding="ascii") as handle:
-                    ours += handle.read().rpartition(")")[2].split()[0] == "R"
-            except OSError:  # the thread ended meanwhile
-                continue
+        ours = _runnable(tasks_dir)
+        for child in _children(tasks_dir):
+            ours += _runnable(f"{proc_dir}/{child}/task")
     except (OSError, StopIteration, ValueError):
         return None
     return max(0, running - ours)
+
+
+def _runnable(tasks_dir: str) -> int:
+    """Threads in state R among ``tasks_dir``'s (a vanished thread counts 0).
+    Raises OSError when ``tasks_dir`` itself cannot be read."""
+    count = 0
+    for task in os.listdir(tasks_dir):
+        try:
+            with open(f"{tasks_dir}/{task}/stat", encoding="ascii") as handle:
+                count += handle.read().rpartition(")")[2].split()[0] == "R"
+        except OSError:  # the thread ended meanwhile
+            continue
+    return count
+
+
+def _children(tasks_dir: str) -> list[str]:
+    """Pids of the child processes of ``tasks_dir``'s threads (none where the
+    kernel does not list them)."""
+    children: list[str] = []
+    for task in os.listdir(tasks_dir):
+        try:
+            with open(f"{tasks_dir}/{task}/children", encoding="ascii") as handle:
+                children += handle.read().split()
+        except OSError:
+            continue
+    return children
 
 
 class LoadAdaptiveThreads:

@@ -50,7 +50,7 @@ import structlog
 
 from kvserve.config import StructuredOutputsConfig
 from kvserve.core.structured_outputs import StructuredOutputsParams
-from kvserve.structured.compile_worker import CPU_EXCEEDED, NICE, STACK_BYTES
+from kvserve.structured.compile_worker import CPU_EXCEEDED, STACK_BYTES, yield_the_cpu
 
 log = structlog.get_logger("kvserve.structured")
 
@@ -103,22 +103,24 @@ class ConstraintCompiler:
         vocab_size: rows of the LM head (the logits' width), >= the tokenizer's.
         eos_token_ids: the tokens that end a sequence.
         config: the limits (``StructuredOutputsConfig``).
+        tokenizer: llguidance's tokenizer of this checkpoint, loaded before
+            serving (``grammar.load_tokenizer`` holds the GIL for ~0.5 s);
+            None: loaded by the first compile, stalling the process that long.
 
-    Use from one event loop. Nothing starts until the first constrained
-    request: the child, the builder thread and llguidance's tokenizer are
-    made then (about a second), so a server that never sees a constraint
-    never pays for them.
+    Use from one event loop. The child and the builder thread start with the
+    first constrained request, so a server that never sees a constraint
+    never runs them.
     """
 
     def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: Sequence[int],
-                 config: StructuredOutputsConfig) -> None:
+                 config: StructuredOutputsConfig, tokenizer: Any = None) -> None:
         self.config = config
         self._tokenizer_args = (str(tokenizer_json), int(vocab_size), list(eos_token_ids))
         self._child = _ChildProcess([sys.executable, "-m", "kvserve.structured.compile_worker",
                                      str(tokenizer_json), str(vocab_size),
                                      ",".join(str(t) for t in eos_token_ids)])
         self._builder = _BuilderThread()
-        self._tokenizer: Any = None
+        self._tokenizer = tokenizer
         self._cache = _Cache()
         self._lock = asyncio.Lock()
         self.num_pending = 0
@@ -209,13 +211,10 @@ class ConstraintCompiler:
 
     def _build(self, grammar: str) -> Any:
         """On the builder thread: the template matcher of ``grammar``."""
-        from kvserve.structured.grammar import build_matcher
+        from kvserve.structured.grammar import build_matcher, load_tokenizer
 
         if self._tokenizer is None:
-            import llguidance
-
-            path, vocab_size, eos = self._tokenizer_args
-            self._tokenizer = llguidance.LLTokenizer(path, n_vocab=vocab_size, eos_token=eos)
+            self._tokenizer = load_tokenizer(*self._tokenizer_args)
         return build_matcher(self._tokenizer, grammar)
 
     async def close(self) -> None:
@@ -436,8 +435,8 @@ class _Tail:
 
 
 class _BuilderThread:
-    """One daemon thread with a ``STACK_BYTES`` stack at niceness ``NICE``
-    (Linux sets it per thread), running submitted jobs in order."""
+    """One daemon thread with a ``STACK_BYTES`` stack at the lowest CPU
+    priority (``yield_the_cpu``), running submitted jobs in order."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -458,10 +457,7 @@ class _BuilderThread:
         return future
 
     def _run(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-        except (AttributeError, OSError):
-            pass
+        yield_the_cpu(threading.get_native_id())
         while (job := self._jobs.get()) is not None:
             future, fn, args = job
             if not future.set_running_or_notify_cancel():

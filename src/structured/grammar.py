@@ -17,7 +17,9 @@ runs them through ``kvserve.structured.compiler``, which bounds it.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from functools import lru_cache
+from pathlib import Path
 
 import llguidance
 
@@ -39,6 +41,20 @@ class GrammarError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+def load_tokenizer(tokenizer_json: str | Path, vocab_size: int,
+                   eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer of a checkpoint's ``tokenizer.json``, with
+    ``vocab_size`` rows (the LM head's, >= the tokenizer's) and its EOS ids.
+
+    Build it before serving: it holds the GIL all along (0.5 s for
+    SmolLM2's 49,152 tokens), so built during serving it would stop every
+    other thread, the event loop and the step's included, that long.
+    Raises ``ValueError`` when llguidance cannot read the file.
+    """
+    return llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size,
+                                  eos_token=list(eos_token_ids))
 
 
 def parser_limits() -> llguidance.LLParserLimits:

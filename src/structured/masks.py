@@ -22,7 +22,7 @@ import numpy as np
 import structlog
 
 from kvserve.core.structured_outputs import StructuredOutputsParams
-from kvserve.structured.grammar import to_grammar
+from kvserve.structured.grammar import load_tokenizer, to_grammar
 
 log = structlog.get_logger("kvserve.structured")
 
@@ -36,13 +36,16 @@ class StructuredOutputs:
         eos_token_ids: the tokens that end a sequence; allowed once the
             grammar accepts.
 
-    Raises ``ValueError`` when llguidance cannot read the tokenizer.
+    The matchers are copies of the compiled constraints the requests carry;
+    llguidance's tokenizer is loaded (``grammar.load_tokenizer``, which
+    raises ``ValueError`` when it cannot read the file) only to compile a
+    constraint that was not compiled (a runner driven directly).
     """
 
     def __init__(self, tokenizer_json: Path, vocab_size: int,
                  eos_token_ids: Sequence[int]) -> None:
-        self.tokenizer = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size,
-                                                eos_token=list(eos_token_ids))
+        self._tokenizer_args = (tokenizer_json, vocab_size, tuple(eos_token_ids))
+        self._tokenizer: llguidance.LLTokenizer | None = None
         self.vocab_size = vocab_size
         self.matchers: dict[str, llguidance.LLMatcher] = {}
         self._executor = llguidance.LLExecutor(num_threads=1)
@@ -60,7 +63,9 @@ class StructuredOutputs:
         if params.compiled is not None:
             matcher = params.compiled.new_matcher()
         else:
-            matcher = llguidance.LLMatcher(self.tokenizer, to_grammar(params), log_level=0)
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(*self._tokenizer_args)
+            matcher = llguidance.LLMatcher(self._tokenizer, to_grammar(params), log_level=0)
         if output_token_ids and not matcher.consume_tokens(list(output_token_ids)):
             log.warning("structured_replay_failed", request_id=request_id,
                         error=matcher.get_error())

@@ -99,3 +99,21 @@ def test_other_runnable_threads_reads_proc(tmp_path):
         (tasks / str(tid) / "stat").write_text(f"{tid} (python (worker)) {state} 1 2 3\n")
     assert other_runnable_threads(str(tmp_path / "stat"), str(tasks)) == 3
     assert other_runnable_threads(str(tmp_path / "missing"), str(tasks)) is None
+
+
+def test_our_child_processes_do_not_count_as_others(tmp_path):
+    """The constraint compiler child (issue 25) is the server's own work."""
+    from kvserve.cpu.threads import other_runnable_threads
+
+    (tmp_path / "stat").write_text("procs_running 6\n")
+    tasks = tmp_path / "self" / "task"
+    for tid, state, children in ((1, "R", "77 "), (2, "S", "")):
+        (tasks / str(tid)).mkdir(parents=True)
+        (tasks / str(tid) / "stat").write_text(f"{tid} (python) {state} 1 2 3\n")
+        (tasks / str(tid) / "children").write_text(children)
+    child = tmp_path / "77" / "task"
+    for tid, state in ((77, "R"), (78, "R"), (79, "S")):
+        (child / str(tid)).mkdir(parents=True)
+        (child / str(tid) / "stat").write_text(f"{tid} (python) {state} 1 2 3\n")
+    # 6 running: 1 of ours, 2 of our child's, 3 of other processes
+    assert other_runnable_threads(str(tmp_path / "stat"), str(tasks), str(tmp_path)) == 3
