@@ -10,7 +10,7 @@ chained rules overflows an 8 MiB stack), so each new constraint goes:
 1. **size**: more than ``max_bytes`` (``--structured-outputs-max-bytes``)
    of schema, regex, grammar or choices is a 400 at once;
 2. **trial in a child process** (``kvserve.structured.compile_worker``, at
-   a lower CPU priority, on a 256 MiB stack): it compiles the grammar and
+   the lowest CPU priority, ``SCHED_IDLE``, on a 256 MiB stack): it compiles the grammar and
    builds the whole matcher under llguidance's limits
    (``grammar.parser_limits``). Over ``timeout`` seconds of CPU
    (``--structured-outputs-timeout``; CPU time, so that what compiles does
@@ -19,7 +19,7 @@ chained rules overflows an 8 MiB stack), so each new constraint goes:
    the budget in wall time (a machine too busy to give the child its CPU)
    the child is killed and the request gets a 503 (not cached: retrying
    later may work). The next constraint starts a new child;
-3. **build in this process**, on one low-priority thread with a large
+3. **build in this process**, on one thread of that priority with a large
    stack (llguidance drops the GIL while it builds), of what the trial
    just built within its deadline: the template matcher the worker copies
    (``LLMatcher.deep_copy``, ~20 us) for each request.
@@ -66,7 +66,7 @@ CHILD_START_TIMEOUT = 60.0
 #: Longest answer line from the child (a grammar's JSON form).
 MAX_ANSWER_BYTES = 64 * 2**20
 #: Wall-clock deadline of a trial compile, in multiples of its CPU budget
-#: (the child runs at a lower priority: on a busy machine it gets a
+#: (the child runs on idle CPU only: on a busy machine it gets a
 #: fraction of a core).
 WALL_FACTOR = 10.0
 
