@@ -9,8 +9,10 @@ will run them (CuPy's current device and stream are per thread).
 Backends: ``cpu`` (``kvserve.cpu.backend``: NumPy/BLAS and Numba kernels,
 float32) and ``cuda`` (``kvserve.cuda.backend``: Numba CUDA kernels on CuPy
 buffers, float16 by default; under Numba's CUDA simulator, for tests, the
-same kernels on NumPy arrays). ``auto`` picks ``cuda`` when CuPy sees a
-device, else ``cpu`` (vLLM's device auto-detection).
+same kernels on NumPy arrays). ``auto`` picks ``cuda`` when the start-up
+probe (``kvserve.cuda.probe``: a Numba kernel and a cuBLAS matmul run and
+read back) passes, else ``cpu`` (vLLM's device auto-detection, made to
+tell the truth); nothing CUDA is imported where CuPy is not installed.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ class Backend(Protocol):
 
 
 def cuda_device_present() -> bool:
-    """True when CuPy imports and sees at least one CUDA device (never under
-    Numba's CUDA simulator, which has none)."""
+    """True when CuPy imports and sees at least one CUDA device (under Numba's
+    CUDA simulator too). A cheap look that proves nothing about compiling
+    kernels or cuBLAS: ``kvserve.cuda.probe.probe_cuda`` does."""
     try:
         import cupy
     except ImportError:
@@ -72,20 +75,24 @@ def cuda_device_present() -> bool:
 
 
 def resolve_backend(name: str) -> str:
-    """``auto`` -> ``cuda`` when a CUDA device is present, else ``cpu``;
-    ``cpu``/``cuda`` as given. Raises ``ValueError`` for another name."""
+    """``auto`` -> ``cuda`` when the CUDA start-up probe passes, else ``cpu``
+    (``kvserve.cuda.backend.auto_picks_cuda``: a warning line when CUDA is
+    installed but fails); ``cpu``/``cuda`` as given (``create_backend``
+    checks ``cuda``). Raises ``ValueError`` for another name."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":
-        return "cuda" if cuda_device_present() else "cpu"
+        from kvserve.cuda.backend import auto_picks_cuda
+
+        return "cuda" if auto_picks_cuda() else "cpu"
     return name
 
 
 def create_backend(config: EngineConfig) -> Backend:
     """The backend ``config.backend`` names (``auto`` resolved).
 
-    Raises ``BackendUnavailable`` when it cannot run here (``cuda`` without
-    CuPy and a device, and not under the simulator).
+    Raises ``BackendUnavailable`` when it cannot run here (``cuda`` whose
+    start-up probe fails, and not under the simulator).
     """
     name = resolve_backend(config.backend)
     if name == "cpu":
