@@ -10,6 +10,7 @@ for exactly one type signature; the checks cost O(1) or O(metadata) per call.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numba
 import numpy as np
@@ -17,7 +18,7 @@ from threadpoolctl import threadpool_limits
 
 from kvserve.cpu import int8, kernels
 from kvserve.cpu.prefill_attention import prefill_attention
-from kvserve.model.ops import build_rope_cache
+from kvserve.model.ops import build_rope_cache, compose_rope_kv_attention
 from kvserve.model.ggml_blocks import BlockQuantizedWeight
 from kvserve.model.quantization import LinearWeight, QuantizedWeight
 
@@ -352,8 +353,9 @@ class CpuOps:
 
     def paged_attention(self, q: np.ndarray, kv_cache: np.ndarray, block_tables: np.ndarray,
                         seq_lens: np.ndarray, query_start_loc: np.ndarray,
-                        scale: float) -> np.ndarray:
-        """Causal attention over the paged cache (see :meth:`Ops.paged_attention`).
+                        scale: float, plan: Any = None) -> np.ndarray:
+        """Causal attention over the paged cache (see :meth:`Ops.paged_attention`;
+        ``plan`` is not needed here: the kernels read the metadata directly).
 
         q: float32[T, nh, hd]; kv_cache: float32[num_blocks, 2, block_size,
         nkv, hd]; block_tables: int32[S, max_blocks]; seq_lens: int32[S];
@@ -446,6 +448,19 @@ class CpuOps:
     # ------------------------------------------------------------------ #
     # host <-> backend
     # ------------------------------------------------------------------ #
+
+    def rope_kv_attention(self, qkv: np.ndarray, positions: np.ndarray,
+                          cos_sin_cache: np.ndarray, kv_cache: np.ndarray, attn: Any,
+                          scale: float, num_heads: int, num_kv_heads: int,
+                          head_dim: int) -> np.ndarray:
+        """:meth:`Ops.rope_kv_attention` as its three ops (``compose_rope_kv_attention``)."""
+        return compose_rope_kv_attention(self, qkv, positions, cos_sin_cache, kv_cache, attn,
+                                         scale, num_heads, num_kv_heads, head_dim)
+
+    def prepare_step(self, batch: Any, geometry: Any) -> Any:
+        """The step's host arrays are this backend's arrays: ``batch`` itself
+        (each kernel checks its indices as it runs)."""
+        return batch
 
     def to_device(self, array: np.ndarray) -> np.ndarray:
         """Floating arrays -> C-contiguous writeable float32 (copy if needed);

@@ -11,10 +11,11 @@ store.  bfloat16 is not a kernel dtype: the backend converts bf16 checkpoints
 to float16 when it loads them (``CudaOps.to_device``).
 
 Launch mappings are 1-D blocks of any size up to :data:`MAX_BLOCK_THREADS`
-(2-D for the int8 matmuls): loops stride over the work by ``blockDim``, so the
-same kernel runs with a warp-multiple block on a GPU and with a handful of
-threads under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), where each
-CUDA thread is a Python thread and the tests run.  The mappings are the
+(the matmuls, in :mod:`kvserve.cuda.gemv_kernels`, are 2-D): loops stride
+over the work by ``blockDim``, so the same kernel runs with a warp-multiple
+block on a GPU and with a handful of threads under Numba's CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``), where each CUDA thread is a Python thread and
+the tests run.  The mappings are the
 readable baseline (scalar float32 FMAs, no tensor cores, no vectorized loads);
 each kernel's docstring states its grid, block and barriers.
 
@@ -39,16 +40,11 @@ MAX_PARTITION_SIZE = 512
 #: Keys per shared-memory K/V tile of prefill attention
 #: (K + V tiles: 2 * 16 * 256 * 4 B = 32 KiB of static shared memory).
 PREFILL_KV_TILE = 16
-#: Most activation rows of the int8 GEMV (its per-thread accumulators).
+#: Most activation rows of the GEMV kernels (``kvserve.cuda.gemv_kernels``:
+#: int8, W8A8, ggml blocks; their per-lane accumulators).
 GEMV_MAX_ROWS = 8
-#: Output channels per GEMV block (threadIdx.y).
-GEMV_OUT_TILE = 4
-#: Most GEMV threads along K (threadIdx.x): GEMV_OUT_TILE * 64 = 256 threads.
-GEMV_MAX_K_THREADS = MAX_BLOCK_THREADS // GEMV_OUT_TILE
-#: Largest tile edge of the tiled int8 matmul: (16, 16) threads, 16x16 outputs.
+#: Largest tile edge of the tiled int8 matmuls: (16, 16) threads, 16x16 outputs.
 MATMUL_TILE = 16
-#: Shared tiles get one extra column so that reading a column does not hit one bank.
-_PADDED_TILE = MATMUL_TILE + 1
 #: Input channels per activation scale of the W8A8 matmul (a K that it does
 #: not divide gets one group per row); equal to ``kvserve.cpu.int8.GROUP``,
 #: a multiple of every tile edge up to MATMUL_TILE.
@@ -420,92 +416,8 @@ def prefill_attention_kernel(q, kv_cache, block_tables, tile_seq, tile_t0, tile_
 
 
 # --------------------------------------------------------------------------- #
-# int8 weight-only matmul: y = (x @ w_q.T) * scales + bias
-# --------------------------------------------------------------------------- #
-
-
-@cuda.jit(device=True)
-def _fold_lanes(partial, acc, T, o, n_out, scales, bias, out):
-    """GEMV epilogue: sum each row's per-lane partials of output channel ``o``
-    (lanes along threadIdx.x, channels along threadIdx.y) through shared
-    ``partial``; out[t, o] = sum * scales[o] + bias[o]. All threads must call it."""
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    for t in range(T):
-        partial[ty, t, tx] = acc[t]
-    cuda.syncthreads()
-    if o < n_out:
-        for t in range(tx, T, cuda.blockDim.x):
-            total = _ZERO
-            for lane in range(cuda.blockDim.x):
-                total += partial[ty, t, lane]
-            out[t, o] = total * scales[o] + bias[o]
-
-
-@cuda.jit
-def int8_gemv_kernel(x, w_q, scales, bias, out):
-    """Few-row int8 matmul: out[t, o] = scales[o] * sum_k x[t, k] w_q[o, k] + bias[o].
-
-    x: [T, K] float16/float32, T <= GEMV_MAX_ROWS; w_q: int8[N, K];
-    scales, bias: float32[N]; out: [T, N], x's dtype.  The weights are used
-    as integers converted to float32 (exact), the products summed in
-    float32, the scale applied once per output at the end.
-    Mapping: grid (ceil(N / GEMV_OUT_TILE),), block (k_threads, GEMV_OUT_TILE):
-    threadIdx.y picks an output channel, the threadIdx.x lanes stride along K
-    (reading the weight row coalesced, each weight once for all T rows),
-    then one barrier and lane t folds row t's partial sums.
-    """
-    partial = cuda.shared.array((GEMV_OUT_TILE, GEMV_MAX_ROWS, GEMV_MAX_K_THREADS), float32)
-    acc = cuda.local.array(GEMV_MAX_ROWS, float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    lanes = cuda.blockDim.x
-    T, K = x.shape
-    o = cuda.blockIdx.x * GEMV_OUT_TILE + ty
-    for t in range(T):
-        acc[t] = _ZERO
-    if o < w_q.shape[0]:
-        for k in range(tx, K, lanes):
-            w = float32(w_q[o, k])
-            for t in range(T):
-                acc[t] += float32(x[t, k]) * w
-    _fold_lanes(partial, acc, T, o, w_q.shape[0], scales, bias, out)
-
-
-@cuda.jit
-def int8_matmul_tiled_kernel(x, w_q, scales, bias, out):
-    """Many-row int8 matmul (same formula and arguments as :func:`int8_gemv_kernel`, any T).
-
-    Mapping: grid (ceil(N / tile), ceil(T / tile)), block (tile, tile) with
-    tile = blockDim.x <= MATMUL_TILE: thread (tx, ty) computes
-    out[row0 + ty, col0 + tx].  Per step of ``tile`` along K the block
-    stages an x tile and a weight tile in shared memory (both loads
-    coalesced along K, weights converted to float32 once), barrier,
-    ``tile`` multiply-adds per thread, barrier.
-    """
-    x_tile = cuda.shared.array((MATMUL_TILE, _PADDED_TILE), float32)
-    w_tile = cuda.shared.array((MATMUL_TILE, _PADDED_TILE), float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    tile = cuda.blockDim.x
-    T, K = x.shape
-    N = w_q.shape[0]
-    row = cuda.blockIdx.y * tile + ty
-    col = cuda.blockIdx.x * tile + tx
-    w_row = cuda.blockIdx.x * tile + ty  # the weight row this thread loads
-    acc = _ZERO
-    for k0 in range(0, K, tile):
-        k = k0 + tx
-        x_tile[ty, tx] = float32(x[row, k]) if row < T and k < K else _ZERO
-        w_tile[ty, tx] = float32(w_q[w_row, k]) if w_row < N and k < K else _ZERO
-        cuda.syncthreads()
-        for kk in range(tile):
-            acc += x_tile[ty, kk] * w_tile[tx, kk]
-        cuda.syncthreads()
-    if row < T and col < N:
-        out[row, col] = acc * scales[col] + bias[col]
-
-
-# --------------------------------------------------------------------------- #
-# W8A8 matmul: int8 activations per (token, group), exact int32 group sums
-# y = scales * sum_g x_scales[:, g] * (xq[:, group g] @ w_q[:, group g].T) + bias
+# W8A8 activations: int8 per (token, group); the int8 and W8A8 matmuls are
+# in kvserve.cuda.gemv_kernels
 # --------------------------------------------------------------------------- #
 
 
@@ -537,79 +449,170 @@ def quantize_groups_kernel(x, group, xq, x_scales):
         x_scales[t, g] = scale
 
 
-@cuda.jit
-def w8a8_gemv_kernel(xq, x_scales, group, w_q, scales, bias, out):
-    """Few-row W8A8 matmul: out[t, o] = scales[o] * sum_g x_scales[t, g] *
-    acc[t, o, g] + bias[o], acc the exact int32 sum over group g of
-    xq[t, k] * w_q[o, k].
+# --------------------------------------------------------------------------- #
+# Decode, fused: RoPE + KV write + GQA-group attention in one launch
+# --------------------------------------------------------------------------- #
+#
+# (Here, beside the device helpers it calls: under the simulator a device
+# function swaps its module's ``cuda`` global while it runs, which races
+# with a kernel of another module calling it from several threads.)
+#
+# The fused decode-attention kernel: RoPE, KV write and attention in one launch.
+#
+# In a decode step every sequence brings one new token, whose fused QKV
+# projection row holds its query heads, its key and value heads. vLLM and
+# llama.cpp fuse the work around attention; here one kernel does, for each
+# (token, KV head) pair:
+#
+# 1. RoPE (NeoX / HF ``rotate_half``) of the KV head's query heads (its GQA
+#    group) and of its key, into shared memory;
+# 2. the new key and value written to the paged cache at the token's slot
+#    (vLLM's ``reshape_and_cache``) by the block whose partition holds the new
+#    position, which then reads every key from the cache: the new one
+#    rounded to the cache's dtype exactly as the others are;
+# 3. attention of the whole group over the token's context: each K row and
+#    V element is read once for all the group's query heads (K/V bytes are
+#    what decode attention costs).
+#
+# A context longer than ``partition_size`` keys is split across blocks
+# (grid z, vLLM paged_attention_v2's split-K); they write partial results
+# that ``kvserve.cuda.kernels.decode_reduce_kernel`` combines, so a decode
+# step's attention is one launch for contexts up to a partition and two
+# beyond. The kernels trust their inputs: the step's indices were checked on
+# the host (``kvserve.cuda.step``).
 
-    xq: int8[T, K], T <= GEMV_MAX_ROWS; x_scales: float32[T, K // group];
-    w_q: int8[N, K]; scales, bias: float32[N]; out: [T, N], float16/float32.
-    Each group's int32 sum is converted to float32 once (exact below 2**24),
-    times its activation scale, the groups summed in float32.
-    Mapping: grid (ceil(N / GEMV_OUT_TILE),), block (k_threads, GEMV_OUT_TILE):
-    threadIdx.y picks an output channel, the threadIdx.x lanes stride over
-    whole groups (each lane reads a group's weights once for all T rows),
-    then one barrier and lane t folds row t's partial sums.
-    """
-    partial = cuda.shared.array((GEMV_OUT_TILE, GEMV_MAX_ROWS, GEMV_MAX_K_THREADS), float32)
-    acc = cuda.local.array(GEMV_MAX_ROWS, float32)
-    iacc = cuda.local.array(GEMV_MAX_ROWS, int32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    lanes = cuda.blockDim.x
-    T, K = xq.shape
-    o = cuda.blockIdx.x * GEMV_OUT_TILE + ty
-    for t in range(T):
-        acc[t] = _ZERO
-    if o < w_q.shape[0]:
-        for g in range(tx, K // group, lanes):
-            for t in range(T):
-                iacc[t] = 0
-            for k in range(g * group, (g + 1) * group):
-                w = int32(w_q[o, k])
-                for t in range(T):
-                    iacc[t] = int32(iacc[t] + int32(xq[t, k]) * w)
-            for t in range(T):
-                acc[t] += float32(iacc[t]) * x_scales[t, g]
-    _fold_lanes(partial, acc, T, o, w_q.shape[0], scales, bias, out)
-
+#: Most query heads per KV head the fused kernel holds (shared q rows and logits).
+MAX_GROUP = 8
 
 @cuda.jit
-def w8a8_matmul_tiled_kernel(xq, x_scales, group, w_q, scales, bias, out):
-    """Many-row W8A8 matmul (same formula and arguments as :func:`w8a8_gemv_kernel`, any T).
+def decode_fused_kernel(qkv, positions, cos_sin_cache, kv_cache, block_tables, slot_mapping,
+                        tokens, token_seq, token_ctx, num_heads, scale, partition_size,
+                        out, tmp_out, max_logits, exp_sums):
+    """RoPE + KV write + GQA-group attention of one decode token, one partition.
 
-    Mapping: grid (ceil(N / tile), ceil(T / tile)), block (tile, tile) with
-    tile = blockDim.x <= MATMUL_TILE, and group a multiple of tile or K
-    itself: thread (tx, ty) computes out[row0 + ty, col0 + tx].  Per step of
-    ``tile`` along K the block stages an xq tile and a weight tile (as
-    int32) in shared memory, barrier, ``tile`` integer multiply-adds per
-    thread, barrier; at the step that ends a group the thread adds its int32
-    sum, times the row's group scale, to a float32 total and restarts it.
+    qkv: [T, (nh + 2 nkv) * hd], the fused projection (query heads, then key
+    heads, then value heads); positions: int64[T]; cos_sin_cache:
+    [max_position, hd] (``build_rope_cache``); kv_cache: [num_blocks, 2,
+    block_size, nkv, hd]; block_tables: int32[S, max_blocks]; slot_mapping:
+    int64[T] (negative: not written); work item i is flat token
+    ``tokens[i]`` of sequence ``token_seq[i]`` with context
+    ``token_ctx[i]`` (its own position + 1); num_heads: nh (a multiple of
+    nkv, nh / nkv <= MAX_GROUP); scale: float32; partition_size: P <=
+    MAX_PARTITION_SIZE keys.
+
+    Output: with one partition launched (grid z of 1: every context <= P)
+    the normalized rows go to ``out[t, h]`` ([T, nh, hd], q's dtype); with
+    more, each partition's
+    normalized rows, max logit and exp sum go to ``tmp_out[i, h, p]``
+    (float32[N, nh, parts, hd]), ``max_logits[i, h, p]`` and
+    ``exp_sums[i, h, p]`` for ``decode_reduce_kernel``.
+
+    Mapping: grid (N, nkv, parts), block 1-D. Threads stride over the
+    (G + 1) * hd/2 rotation pairs, then over the partition's keys (one
+    key each: a dot product with all G query rows, K read once), then over
+    hd for the output (one V element each, for all G heads). Barriers:
+    after the staging, after the KV write (the writing block only), and two
+    per query head for the max and the sum. A partition past the context
+    exits before any barrier, uniformly for its block.
     """
-    x_tile = cuda.shared.array((MATMUL_TILE, _PADDED_TILE), int32)
-    w_tile = cuda.shared.array((MATMUL_TILE, _PADDED_TILE), int32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    tile = cuda.blockDim.x
-    T, K = xq.shape
-    N = w_q.shape[0]
-    row = cuda.blockIdx.y * tile + ty
-    col = cuda.blockIdx.x * tile + tx
-    w_row = cuda.blockIdx.x * tile + ty  # the weight row this thread loads
-    total = _ZERO
-    iacc = int32(0)
-    g = 0
-    for k0 in range(0, K, tile):
-        k = k0 + tx
-        x_tile[ty, tx] = int32(xq[row, k]) if row < T and k < K else int32(0)
-        w_tile[ty, tx] = int32(w_q[w_row, k]) if w_row < N and k < K else int32(0)
+    q_s = cuda.shared.array(MAX_GROUP * MAX_HEAD_DIM, float32)
+    k_s = cuda.shared.array(MAX_HEAD_DIM, float32)
+    logits = cuda.shared.array(MAX_GROUP * MAX_PARTITION_SIZE, float32)
+    red_max = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+    red_sum = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+    m_loc = cuda.local.array(MAX_GROUP, float32)
+    den_loc = cuda.local.array(MAX_GROUP, float32)
+    acc = cuda.local.array(MAX_GROUP, float32)
+
+    i, g, p = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+    tid, nthreads = cuda.threadIdx.x, cuda.blockDim.x
+    ctx = token_ctx[i]
+    start = p * partition_size
+    if start >= ctx:
+        return
+    t, s = tokens[i], token_seq[i]
+    nkv, hd = kv_cache.shape[3], kv_cache.shape[4]
+    block_size = kv_cache.shape[2]
+    group = num_heads // nkv
+    half = hd // 2
+    pos = positions[t]
+
+    # 1. RoPE of the group's query heads (h < group) and of the key (h == group)
+    for e in range(tid, (group + 1) * half, nthreads):
+        h = e // half
+        j = e - h * half
+        base = (g * group + h) * hd if h < group else (num_heads + g) * hd
+        c = float32(cos_sin_cache[pos, j])
+        sn = float32(cos_sin_cache[pos, half + j])
+        x1 = float32(qkv[t, base + j])
+        x2 = float32(qkv[t, base + half + j])
+        if h < group:
+            q_s[h * hd + j] = x1 * c - x2 * sn
+            q_s[h * hd + half + j] = x2 * c + x1 * sn
+        else:
+            k_s[j] = x1 * c - x2 * sn
+            k_s[half + j] = x2 * c + x1 * sn
+    cuda.syncthreads()
+
+    # 2. the block whose partition holds the new position writes its K/V
+    if p == (ctx - 1) // partition_size:
+        slot = slot_mapping[t]
+        if slot >= 0:
+            b = slot // block_size
+            o = slot - b * block_size
+            v_base = (num_heads + nkv + g) * hd
+            for d in range(tid, hd, nthreads):
+                kv_cache[b, 0, o, g, d] = k_s[d]
+                kv_cache[b, 1, o, g, d] = qkv[t, v_base + d]
         cuda.syncthreads()
-        for kk in range(tile):
-            iacc = int32(iacc + x_tile[ty, kk] * w_tile[tx, kk])
-        cuda.syncthreads()
-        if k0 + tile >= (g + 1) * group:  # this step ends group g
-            if row < T:
-                total += float32(iacc) * x_scales[row, g]
-            iacc = int32(0)
-            g += 1
-    if row < T and col < N:
-        out[row, col] = total * scales[col] + bias[col]
+
+    # 3. logits of every query head of the group over the partition's keys
+    n_keys = _min(partition_size, ctx - start)
+    for h in range(group):
+        m_loc[h] = _NEG_INF
+    for j in range(tid, n_keys, nthreads):
+        key = start + j
+        blk = block_tables[s, key // block_size]
+        off = key % block_size
+        for h in range(group):
+            acc[h] = _ZERO
+        for d in range(hd):
+            kd = float32(kv_cache[blk, 0, off, g, d])
+            for h in range(group):
+                acc[h] += q_s[h * hd + d] * kd
+        for h in range(group):
+            logit = acc[h] * scale
+            logits[h * MAX_PARTITION_SIZE + j] = logit
+            m_loc[h] = _max(m_loc[h], logit)
+    for h in range(group):
+        m = _block_max(red_max, m_loc[h])
+        local_sum = _ZERO
+        for j in range(tid, n_keys, nthreads):  # the keys this thread wrote
+            e = math.exp(logits[h * MAX_PARTITION_SIZE + j] - m)
+            logits[h * MAX_PARTITION_SIZE + j] = e
+            local_sum += e
+        den_loc[h] = _block_sum(red_sum, local_sum)  # its barrier publishes the logits
+        m_loc[h] = m
+
+    # 4. output: each V element read once for the whole group; with one
+    # partition launched, normalized in place (a captured graph launches
+    # every partition of the longest context, and reduces them all)
+    single = cuda.gridDim.z == 1
+    for d in range(tid, hd, nthreads):
+        for h in range(group):
+            acc[h] = _ZERO
+        for j in range(n_keys):
+            key = start + j
+            blk = block_tables[s, key // block_size]
+            vd = float32(kv_cache[blk, 1, key % block_size, g, d])
+            for h in range(group):
+                acc[h] += logits[h * MAX_PARTITION_SIZE + j] * vd
+        for h in range(group):
+            if single:
+                out[t, g * group + h, d] = acc[h] / den_loc[h]
+            else:
+                tmp_out[i, g * group + h, p, d] = acc[h] / den_loc[h]
+    if tid == 0 and not single:
+        for h in range(group):
+            max_logits[i, g * group + h, p] = m_loc[h]
+            exp_sums[i, g * group + h, p] = den_loc[h]

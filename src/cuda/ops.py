@@ -7,8 +7,10 @@ Numba is first imported), where the same kernels run thread by thread in
 Python; that is how ``tests/cuda`` run on machines without a GPU.  Kernels are
 launched on the arrays directly (CuPy arrays reach Numba through
 ``__cuda_array_interface__``) on CuPy's current stream.  Dense float products
-are ``xp.matmul`` (cuBLAS through CuPy); int8 weight-only and W8A8 products
-are our kernels (:meth:`CudaOps.linear_int8`, :meth:`CudaOps.linear_w8a8`).
+are ``xp.matmul`` (cuBLAS through CuPy); int8 weight-only, W8A8 and GGUF
+block (``--quantization q4``) products are our kernels
+(:mod:`kvserve.cuda.gemv_kernels`; :meth:`CudaOps.linear_int8`,
+:meth:`CudaOps.linear_w8a8`, :meth:`CudaOps.linear_q4`).
 
 Every wrapper checks its arguments before a launch (a kernel cannot raise on a
 GPU and does no bounds checking): array type, shape, dtype, contiguity, and
@@ -28,11 +30,14 @@ import numpy as np
 from numba import config as numba_config
 from numba import cuda
 
-from kvserve.cuda import kernels
-from kvserve.model.ops import build_rope_cache
+from kvserve.cuda import gemv_kernels, kernels
+from kvserve.cuda.step import (PackedStep, StepGeometry, StepViews, attention_plan,
+                               check_attention_metadata, check_step, pack_step)
+from kvserve.model.ops import build_rope_cache, compose_rope_kv_attention
+from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
 from kvserve.model.quantization import QuantizedWeight
 
-__all__ = ["AttentionPlan", "CudaOps", "array_module", "build_rope_cache",
+__all__ = ["CudaOps", "array_module", "build_rope_cache",
            "check_attention_metadata"]
 
 #: Keys per split-K partition of decode attention (vLLM paged_attention_v2's PARTITION_SIZE).
@@ -57,6 +62,21 @@ SIMULATOR_MAX_THREADS = 16
 _KERNEL_FLOATS = (np.dtype(np.float16), np.dtype(np.float32))
 
 
+@dataclass
+class Counters:
+    """What a backend did since ``reset``: Numba kernel launches
+    (``launches``; cuBLAS calls through CuPy are not counted) and copies
+    between host and device (``h2d``, ``d2h``; every one goes through
+    :meth:`CudaOps.upload` or :meth:`CudaOps.download`)."""
+
+    launches: int = 0
+    h2d: int = 0
+    d2h: int = 0
+
+    def reset(self) -> None:
+        self.launches = self.h2d = self.d2h = 0
+
+
 def simulator_enabled() -> bool:
     """True when ``numba.cuda`` is Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
     return bool(numba_config.ENABLE_CUDASIM)
@@ -77,6 +97,12 @@ def array_module() -> ModuleType:
         return np
 
 
+def _block_min(weight: BlockQuantizedWeight) -> Any:
+    """The ``m`` argument of a block kernel: Q4's minimums, or for Q8_0 (none)
+    its ``d`` again, which the Q8 kernels ignore."""
+    return weight.m if weight.m is not None else weight.d
+
+
 def _describe(a: Any) -> str:
     """``numpy.ndarray (3, 4) float64 non-contiguous`` (for error messages)."""
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
@@ -84,83 +110,6 @@ def _describe(a: Any) -> str:
     layout = "C-contiguous" if a.flags.c_contiguous else "non-contiguous"
     kind = f"{type(a).__module__.split('.')[0]}.{type(a).__name__}"
     return f"{kind} {tuple(a.shape)} {a.dtype} {layout}"
-
-
-def _ranges(counts: np.ndarray) -> np.ndarray:
-    """``concatenate([arange(c) for c in counts])`` without the loop."""
-    counts = counts.astype(np.int64)
-    starts = np.cumsum(counts) - counts
-    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
-
-
-def check_attention_metadata(block_tables: np.ndarray, seq_lens: np.ndarray,
-                             query_start_loc: np.ndarray, num_tokens: int, num_blocks: int,
-                             block_size: int) -> None:
-    """Host checks of paged-attention metadata (as ``kvserve.cpu``'s kernel does).
-
-    Raises ValueError: query_start_loc decreasing or outside [0, T], a
-    sequence with fewer context than new tokens, a block table too narrow, or
-    a used block id outside [0, num_blocks).  Sequences without new tokens
-    are not checked.
-    """
-    qsl, sl = query_start_loc.astype(np.int64), seq_lens.astype(np.int64)
-    n_new = np.diff(qsl)
-    if qsl[0] < 0 or (n_new < 0).any() or qsl[-1] > num_tokens:
-        raise ValueError("paged_attention: query_start_loc must be non-decreasing "
-                         f"within [0, T={num_tokens}]")
-    active = n_new > 0
-    if (sl[active] < n_new[active]).any():
-        raise ValueError("paged_attention: seq_lens[s] smaller than the sequence's new tokens")
-    needed = np.where(active, -(-sl // block_size), 0)
-    if (needed > block_tables.shape[1]).any():
-        raise ValueError("paged_attention: block_tables too narrow for seq_lens")
-    used = block_tables[np.arange(block_tables.shape[1])[None, :] < needed[:, None]]
-    if used.size and (used.min() < 0 or used.max() >= num_blocks):
-        raise ValueError(f"paged_attention: block id out of range [0, {num_blocks})")
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    """The work of one paged-attention call, as int32 host arrays.
-
-    Decode work items (one per new token of a sequence with fewer than
-    ``prefill_min_queries`` new tokens): flat token index, sequence, context
-    length (own position + 1).  Prefill tiles (up to ``tile_q`` consecutive
-    new tokens of one longer sequence): sequence, first flat token, number of
-    queries, position of the first query.
-    """
-
-    tokens: np.ndarray
-    token_seq: np.ndarray
-    token_ctx: np.ndarray
-    tile_seq: np.ndarray
-    tile_t0: np.ndarray
-    tile_nq: np.ndarray
-    tile_pos0: np.ndarray
-
-    @classmethod
-    def build(cls, seq_lens: np.ndarray, query_start_loc: np.ndarray, prefill_min_queries: int,
-              tile_q: int) -> AttentionPlan:
-        """Split checked metadata (:func:`check_attention_metadata`) into work lists."""
-        qsl, sl = query_start_loc.astype(np.int64), seq_lens.astype(np.int64)
-        n_new = np.diff(qsl)
-        decode = np.flatnonzero((n_new > 0) & (n_new < prefill_min_queries))
-        counts = n_new[decode]
-        within = _ranges(counts)
-        prefill = np.flatnonzero((n_new > 0) & (n_new >= prefill_min_queries))
-        n_tiles = -(-n_new[prefill] // tile_q)
-        tile_seq = np.repeat(prefill, n_tiles)
-        tile_start = _ranges(n_tiles) * tile_q  # first query of the tile within its chunk
-        i32 = np.int32
-        return cls(
-            tokens=(np.repeat(qsl[decode], counts) + within).astype(i32),
-            token_seq=np.repeat(decode, counts).astype(i32),
-            token_ctx=(np.repeat(sl[decode] - counts, counts) + within + 1).astype(i32),
-            tile_seq=tile_seq.astype(i32),
-            tile_t0=(qsl[tile_seq] + tile_start).astype(i32),
-            tile_nq=np.minimum(tile_q, n_new[tile_seq] - tile_start).astype(i32),
-            tile_pos0=(sl[tile_seq] - n_new[tile_seq] + tile_start).astype(i32),
-        )
 
 
 class CudaOps:
@@ -215,6 +164,20 @@ class CudaOps:
         self.partition_size = int(partition_size)
         self.prefill_min_queries = int(prefill_min_queries)
         self.prefill_tile_q = int(prefill_tile_q)
+        self.counters = Counters()
+        if self._cupy is not None:
+            # Every kernel runs on CuPy's current stream, so a launch need not
+            # synchronize the stream of each CuPy array it is given (Numba's
+            # default for the CUDA Array Interface, NUMBA_CUDA_ARRAY_INTERFACE_SYNC;
+            # a synchronization is also illegal while a CUDA graph is captured).
+            numba_config.CUDA_ARRAY_INTERFACE_SYNC = False
+        #: The step being run (``prepare_step``): arrays inside its buffer
+        #: were checked on the host, so the wrappers do not read them back.
+        self._step: StepViews | None = None
+
+    def reset_counters(self) -> None:
+        """Start counting launches and copies from zero (``counters``)."""
+        self.counters.reset()
 
     # ------------------------------------------------------------------ #
     # launching and checking
@@ -239,6 +202,7 @@ class CudaOps:
         """``kernel[grid, block](*args)`` on CuPy's current stream (nothing for an empty grid)."""
         if min(grid) <= 0:
             return
+        self.counters.launches += 1
         if self._cupy is None:
             kernel[grid, block](*args)
         else:
@@ -276,9 +240,22 @@ class CudaOps:
         return self.xp.ascontiguousarray(a, dtype=dtype)
 
     def _check_range(self, a: Any, high: int, what: str) -> None:
-        """Raise ValueError unless every entry of ``a`` is in [0, high)."""
+        """Raise ValueError unless every entry of ``a`` is in [0, high).
+
+        Reads ``a`` back to the host, except an array of the current step
+        (``prepare_step`` checked it there, against the model's geometry)."""
+        if self._checked(a):
+            return
         if a.size and (int(a.min()) < 0 or int(a.max()) >= high):
             raise ValueError(f"{what} out of range [0, {high})")
+
+    def _checked(self, a: Any) -> bool:
+        """Whether ``a`` lies in the current step's buffer (checked on the host)."""
+        return self._step is not None and self._step.owns(a, self._pointer)
+
+    def _pointer(self, a: Any) -> int:
+        """The device (or, simulated, host) address of ``a``'s first byte."""
+        return a.data.ptr if self._cupy is not None else a.__array_interface__["data"][0]
 
     def _check_cache(self, kv_cache: Any, what: str) -> Any:
         self._float(kv_cache, f"{what}: kv_cache",
@@ -294,8 +271,12 @@ class CudaOps:
     def embedding(self, token_ids: Any, table: Any) -> Any:
         """``table[token_ids]``: int[T] ids, float[V, H] table -> new [T, H] (table's dtype).
 
+        A ``BlockQuantizedWeight`` table (``--quantization q4``) gives its rows
+        dequantized, in the backend dtype (:meth:`_embedding_blocks`).
         Raises ValueError for a bad array or an id outside [0, V).
         """
+        if isinstance(table, BlockQuantizedWeight):
+            return self._embedding_blocks(token_ids, table)
         table = self._float(table, "embedding: table", "[V, H]", 2)
         ids = self._index(token_ids, "embedding: token_ids", 1, np.int64)
         self._check_range(ids, table.shape[0], "embedding: token id")
@@ -309,7 +290,8 @@ class CudaOps:
 
         x: [T, in]; weight: [out, in], x's dtype (float16/float32, any
         strides), or a ``QuantizedWeight``: scheme ``int8``
-        (:meth:`linear_int8`) or ``w8a8`` (:meth:`linear_w8a8`); bias: [out]
+        (:meth:`linear_int8`) or ``w8a8`` (:meth:`linear_w8a8`), or a
+        ``BlockQuantizedWeight`` (:meth:`linear_q4`); bias: [out]
         or None.  Returns a new [T, out] array of x's dtype.  Under the
         simulator float16 products are computed in float32 and rounded (NumPy
         has no float16 GEMM).  Raises ValueError on a shape or dtype mismatch,
@@ -321,15 +303,14 @@ class CudaOps:
             if weight.scheme == "w8a8":
                 return self.linear_w8a8(x, weight.qweight, weight.scales, bias)
             raise ValueError(f"linear: unknown quantization scheme {weight.scheme!r}")
+        if isinstance(weight, BlockQuantizedWeight):
+            return self.linear_q4(x, weight, bias)
         self._float(x, "linear: x", "[T, in]", 2, contiguous=False)
         self._float(weight, "linear: weight", "[out, in]", 2, dtype=x.dtype, contiguous=False)
         if x.shape[1] != weight.shape[1]:
             raise ValueError(f"linear: x {x.shape} and weight {weight.shape} do not match "
                              "(expected x [T, in], weight [out, in])")
-        if self._cupy is None and x.dtype == np.float16:
-            y = np.matmul(x, weight.T, dtype=np.float32).astype(np.float16)
-        else:
-            y = self.xp.matmul(x, weight.T)
+        y = self._matmul(x, weight)
         if bias is not None:
             self._float(bias, "linear: bias", f"[{weight.shape[0]}]", 1, contiguous=False)
             if bias.shape != (weight.shape[0],):
@@ -337,32 +318,37 @@ class CudaOps:
             y += bias
         return y
 
+    def _matmul(self, x: Any, weight: Any) -> Any:
+        """``x @ weight.T`` by ``xp.matmul``; float16 under the simulator in
+        float32, rounded once (NumPy has no float16 GEMM)."""
+        if self._cupy is None and x.dtype == np.float16:
+            return np.matmul(x, weight.T, dtype=np.float32).astype(np.float16)
+        return self.xp.matmul(x, weight.T)
+
     def linear_int8(self, x: Any, weight_q: Any, scales: Any, bias: Any | None = None) -> Any:
         """Weight-only int8 matmul: ``(x @ weight_q.T) * scales (+ bias)``.
 
         x: C-contiguous float16/float32 [T, in]; weight_q: C-contiguous
         int8 [out, in]; scales: float32[out] (per output channel); bias:
-        float32[out] or None.  Returns a new [T, out] array of x's dtype.
-        The int8 weights enter as exact float32 integers, products are summed
-        in float32 and each sum is scaled once at the end.  T <=
-        ``kernels.GEMV_MAX_ROWS`` takes the GEMV kernel, more rows the
-        shared-memory tiled kernel.  Raises ValueError on a bad array or a
-        shape mismatch.
+        float16/float32[out] or None.  Returns a new [T, out] array of x's
+        dtype.  The int8 weights enter as exact float32 integers, products
+        are summed in float32 and each sum is scaled once at the end.  T <=
+        ``kernels.GEMV_MAX_ROWS`` with ``in`` a multiple of 4 takes the warp
+        GEMV (``gemv_kernels.int8_gemv_kernel``: the weight read as int32
+        words), other products the shared-memory tiled kernel.  Raises
+        ValueError on a bad array or a shape mismatch.
         """
         x, bias = self._int8_operands("linear_int8", x, weight_q, scales, bias)
         n_out = weight_q.shape[0]
-        T = x.shape[0]
+        T, K = x.shape
         out = self.xp.empty((T, n_out), x.dtype)
-        if T <= kernels.GEMV_MAX_ROWS:
-            lanes = self._threads(x.shape[1], cap=kernels.GEMV_MAX_K_THREADS)
-            lanes = max(1, min(lanes, self.max_threads // kernels.GEMV_OUT_TILE))
-            grid = (-(-n_out // kernels.GEMV_OUT_TILE),)
-            self._launch(kernels.int8_gemv_kernel, grid, (lanes, kernels.GEMV_OUT_TILE),
-                         x, weight_q, scales, bias, out)
+        if T <= kernels.GEMV_MAX_ROWS and K % 4 == 0:
+            self._launch_gemv(gemv_kernels.int8_gemv_kernel, K // 4, n_out,
+                              x, weight_q.view(np.int32), scales, scales, bias, out)
         else:
             tile = self._matmul_tile()
             grid = (-(-n_out // tile), -(-T // tile))
-            self._launch(kernels.int8_matmul_tiled_kernel, grid, (tile, tile),
+            self._launch(gemv_kernels.int8_matmul_tiled_kernel, grid, (tile, tile),
                          x, weight_q, scales, bias, out)
         return out
 
@@ -383,11 +369,12 @@ class CudaOps:
 
         x: C-contiguous float16/float32 [T, in]; weight_q: C-contiguous
         int8 [out, in]; scales: float32[out] (per output channel); bias:
-        float32[out] or None.  Returns a new [T, out] array of x's dtype.
-        One kernel quantizes x (grid: rows x groups); then T <=
-        ``kernels.GEMV_MAX_ROWS`` takes the W8A8 GEMV kernel, more rows the
-        shared-memory tiled kernel.  Raises ValueError on a bad array or a
-        shape mismatch.
+        float16/float32[out] or None.  Returns a new [T, out] array of x's
+        dtype.  One kernel quantizes x (grid: rows x groups); then T <=
+        ``kernels.GEMV_MAX_ROWS`` with ``in`` a multiple of 4 takes the warp
+        GEMV (``gemv_kernels.w8a8_gemv_kernel``: codes and weights read as
+        int32 words, one lane per group), other products the shared-memory
+        tiled kernel.  Raises ValueError on a bad array or a shape mismatch.
         """
         x, bias = self._int8_operands("linear_w8a8", x, weight_q, scales, bias)
         (T, K), n_out = x.shape, weight_q.shape[0]
@@ -398,16 +385,15 @@ class CudaOps:
         self._launch(kernels.quantize_groups_kernel, (T, n_groups), (self._threads(group),),
                      x, group, xq, x_scales)
         out = self.xp.empty((T, n_out), x.dtype)
-        args = (xq, x_scales, group, weight_q, scales, bias, out)
-        if T <= kernels.GEMV_MAX_ROWS:
-            lanes = self._threads(n_groups, cap=kernels.GEMV_MAX_K_THREADS)
-            lanes = max(1, min(lanes, self.max_threads // kernels.GEMV_OUT_TILE))
-            grid = (-(-n_out // kernels.GEMV_OUT_TILE),)
-            self._launch(kernels.w8a8_gemv_kernel, grid, (lanes, kernels.GEMV_OUT_TILE), *args)
+        if T <= kernels.GEMV_MAX_ROWS and K % 4 == 0:
+            self._launch_gemv(gemv_kernels.w8a8_gemv_kernel, n_groups, n_out,
+                              xq.view(np.int32), x_scales, group // 4,
+                              weight_q.view(np.int32), scales, bias, out)
         else:
             tile = self._matmul_tile()  # a power of two <= 16: divides W8A8_GROUP
             grid = (-(-n_out // tile), -(-T // tile))
-            self._launch(kernels.w8a8_matmul_tiled_kernel, grid, (tile, tile), *args)
+            self._launch(gemv_kernels.w8a8_matmul_tiled_kernel, grid, (tile, tile),
+                         xq, x_scales, group, weight_q, scales, bias, out)
         return out
 
     def _int8_operands(self, what: str, x: Any, weight_q: Any, scales: Any,
@@ -422,14 +408,120 @@ class CudaOps:
             raise ValueError(f"{what}: weight_q must be a C-contiguous [out, {x.shape[1]}] "
                              f"int8 {self.xp.__name__} array, got {_describe(weight_q)}")
         n_out = weight_q.shape[0]
-        for name, a in (("scales", scales), ("bias", bias)):
-            if a is not None:
-                self._float(a, f"{what}: {name}", f"[{n_out}]", 1, dtype=np.float32)
-                if a.shape != (n_out,):
-                    raise ValueError(f"{what}: {name} shape {a.shape}, expected ({n_out},)")
+        self._float(scales, f"{what}: scales", f"[{n_out}]", 1, dtype=np.float32)
+        if scales.shape != (n_out,):
+            raise ValueError(f"{what}: scales shape {scales.shape}, expected ({n_out},)")
+        return x, self._bias(what, bias, n_out)
+
+    def _bias(self, what: str, bias: Any | None, n_out: int) -> Any:
+        """A matmul kernel's bias: checked float16/float32[n_out] (the backend
+        dtype, as the model stores it, or float32), or zeros for None."""
         if bias is None:
-            bias = self.xp.zeros(n_out, np.float32)
-        return x, bias
+            return self.xp.zeros(n_out, np.float32)
+        self._float(bias, f"{what}: bias", f"[{n_out}]", 1)
+        if bias.shape != (n_out,):
+            raise ValueError(f"{what}: bias shape {bias.shape}, expected ({n_out},)")
+        return bias
+
+    def _launch_gemv(self, kernel: Any, work: int, n_out: int, *args: Any) -> None:
+        """Launch a warp GEMV of :mod:`kvserve.cuda.gemv_kernels` over ``n_out``
+        output channels of ``work`` words (or groups) each: grid
+        (ceil(n_out / rows),), block (lanes, rows) of ``gemv_kernels.gemv_block``."""
+        lanes, rows = gemv_kernels.gemv_block(work, n_out, self.max_threads, self.simulator)
+        self._launch(kernel, (-(-n_out // rows),), (lanes, rows), *args)
+
+    def linear_q4(self, x: Any, weight: BlockQuantizedWeight, bias: Any | None = None) -> Any:
+        """``x @ W.T (+ bias)`` for a weight in ggml blocks (``--quantization q4``).
+
+        x: C-contiguous float16/float32 [T, in]; weight: a
+        ``BlockQuantizedWeight`` [out, in] of backend arrays, as
+        ``quantize_weight(w, "q4", to_device)`` gives it: kind ``q4`` (Q4_0 /
+        Q4_1: codes uint8[out, in / 2], ``d`` and ``m`` float32[out, in / 32])
+        or ``q8`` (Q8_0: codes int8[out, in], ``d``); bias: float16/float32
+        [out] or None.  Returns a new [T, out] array of x's dtype: ``x @
+        ggml_blocks.dequantize(W).T`` up to float32 summation order.
+
+        T <= ``kernels.GEMV_MAX_ROWS`` (decode) takes the warp GEMV
+        (``gemv_kernels.q4_gemv_kernel`` / ``q8_gemv_kernel``): the codes
+        read once as int32 words, dequantized in registers, float32 sums.
+        More rows (prefill chunks) dequantize W to x's dtype in panels of
+        ``gemv_kernels.DEQUANT_PANEL_ELEMS`` values (``q4_rows_kernel`` /
+        ``q8_rows_kernel``) and multiply each with ``xp.matmul`` (cuBLAS,
+        float16 tensor cores on a GPU): T rows cost 2 T N K flops on N K
+        weights, so past a few rows the product is compute-bound and
+        cuBLAS's tiles win, while the dequantization (one read of the blocks,
+        one write and one read of the panel) is paid once for all T rows.
+        Panels bound the scratch (64 MiB at float32) where a cache of
+        dequantized weights would undo q4's memory saving.  For float16 x a
+        panel rounds each weight to float16 (2**-11 relative).
+
+        Raises ValueError on a bad array or a shape mismatch.
+        """
+        x = self._float(x, "linear_q4: x", "[T, in]", 2)
+        words = self._block_words("linear_q4", weight)
+        (n_out, K), T = weight.shape, x.shape[0]
+        if x.shape[1] != K:
+            raise ValueError(f"linear_q4: x {x.shape} does not match the weight [{n_out}, {K}]")
+        checked_bias = self._bias("linear_q4", bias, n_out)
+        out = self.xp.empty((T, n_out), x.dtype)
+        if T > kernels.GEMV_MAX_ROWS:
+            step = max(1, gemv_kernels.DEQUANT_PANEL_ELEMS // K)
+            for lo in range(0, n_out, step):
+                rows = self.xp.arange(lo, min(lo + step, n_out), dtype=np.int64)
+                panel = self._dequantize_rows(weight, rows, x.dtype)
+                out[:, lo:lo + step] = self._matmul(x, panel)
+            if bias is not None:
+                out += checked_bias
+            return out
+        gemv, _ = gemv_kernels.BLOCK_KERNELS[weight.kind]
+        self._launch_gemv(gemv, words.shape[1], n_out, x, words, weight.d, _block_min(weight),
+                          checked_bias, out)
+        return out
+
+    def _block_words(self, what: str, weight: Any) -> Any:
+        """Check a ``BlockQuantizedWeight`` of backend arrays (see
+        :meth:`linear_q4`); returns its codes viewed as int32 words
+        ([out, in / 8] for q4, [out, in / 4] for q8: ``in`` is a multiple
+        of 32).  Raises ValueError naming ``what`` and the array."""
+        if not isinstance(weight, BlockQuantizedWeight) or weight.kind not in ("q4", "q8"):
+            raise ValueError(f"{what}: weight must be a q4 or q8 BlockQuantizedWeight, "
+                             f"got {type(weight).__name__}")
+        d = weight.d
+        if not isinstance(d, self.xp.ndarray) or d.ndim != 2:
+            raise ValueError(f"{what}: weight.d must be a [out, in / {QK}] {self.xp.__name__} "
+                             f"array, got {_describe(d)}")
+        n, blocks = d.shape
+        expected = {"d": (d, np.float32, blocks)}
+        if weight.kind == "q4":
+            expected.update(qs=(weight.qs, np.uint8, blocks * QK // 2),
+                            m=(weight.m, np.float32, blocks))
+        else:
+            expected.update(qs=(weight.qs, np.int8, blocks * QK))
+        for name, (a, dtype, width) in expected.items():
+            if (not isinstance(a, self.xp.ndarray) or a.dtype != dtype or a.shape != (n, width)
+                    or not a.flags.c_contiguous):
+                raise ValueError(f"{what}: weight.{name} must be a C-contiguous [{n}, {width}] "
+                                 f"{np.dtype(dtype).name} {self.xp.__name__} array, "
+                                 f"got {_describe(a)}")
+        return weight.qs.view(np.int32)
+
+    def _dequantize_rows(self, weight: BlockQuantizedWeight, rows: Any, dtype: Any) -> Any:
+        """New [len(rows), in] array of ``dtype``: rows ``rows`` (int64, in range)
+        of a checked block weight, dequantized (``q4_rows_kernel`` /
+        ``q8_rows_kernel``, launched as the GEMVs over len(rows) rows)."""
+        words = weight.qs.view(np.int32)
+        out = self.xp.empty((rows.shape[0], weight.shape[1]), dtype)
+        _, gather = gemv_kernels.BLOCK_KERNELS[weight.kind]
+        self._launch_gemv(gather, words.shape[1], rows.shape[0], rows, words, weight.d,
+                          _block_min(weight), out)
+        return out
+
+    def _embedding_blocks(self, token_ids: Any, table: BlockQuantizedWeight) -> Any:
+        """:meth:`embedding` of a block table: the rows dequantized in the backend dtype."""
+        self._block_words("embedding", table)
+        ids = self._index(token_ids, "embedding: token_ids", 1, np.int64)
+        self._check_range(ids, table.shape[0], "embedding: token id")
+        return self._dequantize_rows(table, ids, self.dtype)
 
     def _matmul_tile(self) -> int:
         """Edge of the tiled matmul's square block: the largest power of two
@@ -476,7 +568,7 @@ class CudaOps:
     def _overlap(self, a: Any, b: Any) -> bool:
         """Whether two C-contiguous arrays share bytes."""
         def span(arr: Any) -> tuple[int, int]:
-            ptr = arr.data.ptr if self._cupy is not None else arr.__array_interface__["data"][0]
+            ptr = self._pointer(arr)
             return ptr, ptr + arr.nbytes
         (a0, a1), (b0, b1) = span(a), span(b)
         return a0 < b1 and b0 < a1 and a.size > 0 and b.size > 0
@@ -550,7 +642,8 @@ class CudaOps:
             if a.shape != (T, nkv, hd) or a.strides[2] != item or a.strides[1] != hd * item:
                 raise ValueError(f"write_kv: {what} must be {layout}, got {a.shape} "
                                  f"strides {a.strides}")
-        if slots.size and int(slots.max()) >= num_blocks * block_size:
+        if slots.size and not self._checked(slots) \
+                and int(slots.max()) >= num_blocks * block_size:
             raise ValueError(f"write_kv: slot out of range (>= {num_blocks * block_size} = "
                              "num_blocks * block_size)")
         if self._cupy is None:  # the simulator transfers only contiguous host buffers
@@ -559,7 +652,7 @@ class CudaOps:
                      k, v, cache, slots)
 
     def paged_attention(self, q: Any, kv_cache: Any, block_tables: Any, seq_lens: Any,
-                        query_start_loc: Any, scale: float) -> Any:
+                        query_start_loc: Any, scale: float, plan: StepViews | None = None) -> Any:
         """Causal attention of every new token over its sequence's paged context.
 
         q: C-contiguous [T, nh, hd] of the cache's dtype, hd <=
@@ -576,7 +669,9 @@ class CudaOps:
         computed in parallel, then combined by their max logits and exp sums.
         The others (prefill chunks) take the tiled prefill kernel: fully over
         the cached prefix, causally within the chunk.  The metadata are
-        validated and turned into work lists on the host (:class:`AttentionPlan`).
+        validated and turned into work lists on the host (``step.attention_plan``),
+        here (reading them back) or, given the step's ``plan`` (``prepare_step``,
+        whose arrays these are), once for the whole step before it ran.
 
         Raises ValueError on a bad array, inconsistent metadata or a block id
         out of range.
@@ -598,39 +693,47 @@ class CudaOps:
         out = self.xp.zeros_like(q)
         if S == 0:
             return out
-        h_sl, h_qsl = self._host(sl), self._host(qsl)
-        check_attention_metadata(self._host(bt), h_sl, h_qsl, T, num_blocks, block_size)
-        tile_q = self._threads(min(self.prefill_tile_q, int(np.diff(h_qsl).max())))
-        plan = AttentionPlan.build(h_sl, h_qsl, self.prefill_min_queries, tile_q)
+        if plan is None:
+            plan = self._plan_here(bt, sl, qsl, T, num_blocks, block_size)
         args = (q, cache, bt)
         scale32 = np.float32(scale)
-        if plan.tokens.size:
+        if plan.num_decodes:
             self._decode(*args, plan, scale32, out)
-        if plan.tile_seq.size:
-            dev = self.xp.asarray
-            grid = (plan.tile_seq.shape[0], nh)
-            self._launch(kernels.prefill_attention_kernel, grid, (tile_q,), *args,
-                         dev(plan.tile_seq), dev(plan.tile_t0), dev(plan.tile_nq),
-                         dev(plan.tile_pos0), scale32, out)
+        if plan.num_tiles:
+            grid = (plan.num_tiles, nh)
+            self._launch(kernels.prefill_attention_kernel, grid, (plan.tile_q,), *args,
+                         plan.tile_seq, plan.tile_t0, plan.tile_nq, plan.tile_pos0, scale32, out)
         return out
 
-    def _decode(self, q: Any, cache: Any, bt: Any, plan: AttentionPlan, scale: np.float32,
+    def _plan_here(self, bt: Any, sl: Any, qsl: Any, num_tokens: int, num_blocks: int,
+                   block_size: int) -> StepViews:
+        """The work lists of a ``paged_attention`` called without a step plan:
+        its metadata read back, checked and planned on the host, and the
+        lists uploaded (a call outside a step: tests, warm-up)."""
+        h_sl, h_qsl = self._host(sl), self._host(qsl)
+        check_attention_metadata(self._host(bt), h_sl, h_qsl, num_tokens, num_blocks, block_size)
+        tile_q = self._threads(min(self.prefill_tile_q, int(np.diff(h_qsl).max())))
+        lists = attention_plan(h_sl, h_qsl, self.prefill_min_queries, tile_q)
+        packed = pack_step(lists, num_tokens, len(h_sl), decode_only=False,
+                           max_context=int(h_sl.max()), tile_q=tile_q)
+        return self.step_views(packed, self.upload(packed.data))
+
+    def _decode(self, q: Any, cache: Any, bt: Any, plan: StepViews, scale: np.float32,
                 out: Any) -> None:
         """The split-K decode route of :meth:`paged_attention` on ``plan``'s tokens."""
         xp, P = self.xp, self.partition_size
-        N, (nh, hd) = plan.tokens.shape[0], q.shape[1:]
-        max_ctx = int(plan.token_ctx.max())
+        N, (nh, hd) = plan.num_decodes, q.shape[1:]
+        max_ctx = plan.max_context
         parts = -(-max_ctx // P)
         tmp_out = xp.empty((N, nh, parts, hd), np.float32)
         max_logits = xp.empty((N, nh, parts), np.float32)
         exp_sums = xp.empty((N, nh, parts), np.float32)
-        tokens, token_ctx = xp.asarray(plan.tokens), xp.asarray(plan.token_ctx)
         self._launch(kernels.decode_partition_kernel, (N, nh, parts),
                      (self._threads(max(min(P, max_ctx), hd)),),
-                     q, cache, bt, tokens, xp.asarray(plan.token_seq), token_ctx, scale, P,
+                     q, cache, bt, plan.tokens, plan.token_seq, plan.token_ctx, scale, P,
                      tmp_out, max_logits, exp_sums)
         self._launch(kernels.decode_reduce_kernel, (N, nh), (self._threads(hd),),
-                     tmp_out, max_logits, exp_sums, tokens, token_ctx, P, out)
+                     tmp_out, max_logits, exp_sums, plan.tokens, plan.token_ctx, P, out)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_dim: int) -> Any:
@@ -659,13 +762,130 @@ class CudaOps:
         a = np.asarray(array)
         if a.dtype.kind in "fV":  # "V": e.g. bfloat16 via ml_dtypes
             a = np.asarray(a, dtype=np.float32).astype(self.dtype, copy=False)
-        if self._cupy is not None:
-            return self._cupy.asarray(np.ascontiguousarray(a))
-        return np.array(a, order="C", copy=True)
+        return self.upload(a)
 
     def to_numpy(self, array: Any) -> np.ndarray:
-        """Backend array -> a new host NumPy array."""
+        """Backend array -> a new host NumPy array (``download``)."""
+        return self.download(array)
+
+    def upload(self, array: Any) -> Any:
+        """Host array -> a new C-contiguous device array of the same dtype:
+        one counted host-to-device copy (``counters.h2d``). Every copy to the
+        device goes through here."""
+        self.counters.h2d += 1
+        a = np.ascontiguousarray(array)
+        if self._cupy is not None:
+            return self._cupy.asarray(a)
+        return np.array(a, order="C", copy=True)
+
+    def upload_into(self, target: Any, array: np.ndarray) -> None:
+        """Copy host ``array`` into the existing device array ``target`` (same
+        size and dtype; a graph's fixed input): one counted host-to-device
+        copy, on CuPy's current stream."""
+        self.counters.h2d += 1
+        a = np.ascontiguousarray(array)
+        if a.nbytes != target.nbytes or a.dtype != target.dtype:
+            raise ValueError(f"upload_into: {a.dtype} {a.shape} does not fit {target.dtype} "
+                             f"{target.shape}")
+        if self._cupy is not None:
+            target.set(a.reshape(target.shape))
+        else:
+            target[...] = a.reshape(target.shape)
+
+    def download(self, array: Any) -> np.ndarray:
+        """Device array -> a new host NumPy array: one counted device-to-host
+        copy (``counters.d2h``; on a GPU it waits for the stream's work).
+        Every copy from the device goes through here."""
+        self.counters.d2h += 1
         return self._cupy.asnumpy(array) if self._cupy is not None else np.array(array, copy=True)
+
+    # ------------------------------------------------------------------ #
+    # a step's inputs
+    # ------------------------------------------------------------------ #
+
+    def prepare_step(self, batch: Any, geometry: StepGeometry) -> StepViews:
+        """Check a step's host arrays (``kvserve.cuda.step.check_step``),
+        plan its attention, and upload everything in one copy.
+
+        batch: a ``BatchInputs`` (host NumPy arrays: input_ids, positions,
+        slot_mapping, block_tables, seq_lens, query_start_loc,
+        logits_indices). Returns the device views; until the next call the
+        wrappers trust those arrays and read nothing back. Raises ValueError
+        as ``check_step``.
+        """
+        i64, i32 = np.int64, np.int32
+        arrays = {"input_ids": batch.input_ids.astype(i64, copy=False),
+                  "positions": batch.positions.astype(i64, copy=False),
+                  "slot_mapping": batch.slot_mapping.astype(i64, copy=False),
+                  "block_tables": batch.block_tables.astype(i32, copy=False),
+                  "seq_lens": batch.seq_lens.astype(i32, copy=False),
+                  "query_start_loc": batch.query_start_loc.astype(i32, copy=False),
+                  "logits_indices": batch.logits_indices.astype(i64, copy=False)}
+        check_step(*arrays.values(), geometry)
+        qsl, sl = arrays["query_start_loc"], arrays["seq_lens"]
+        n_new = np.diff(qsl.astype(i64))
+        tile_q = self._threads(min(self.prefill_tile_q, int(n_new.max(initial=1))))
+        arrays.update(attention_plan(sl, qsl, self.prefill_min_queries, tile_q))
+        packed = pack_step(arrays, num_tokens=batch.input_ids.shape[0], num_seqs=sl.shape[0],
+                           decode_only=bool(sl.size) and bool((n_new == 1).all()),
+                           max_context=int(sl.max(initial=0)), tile_q=tile_q)
+        return self.use_step(self.step_views(packed, self.upload(packed.data)))
+
+    def step_views(self, packed: PackedStep, buffer: Any) -> StepViews:
+        """The typed views of ``packed``'s arrays in its device ``buffer``."""
+        return StepViews(buffer, packed, {name: packed.view(buffer, name)
+                                          for name in packed.layout})
+
+    def use_step(self, views: StepViews) -> StepViews:
+        """Make ``views`` the current step: until the next, the wrappers trust
+        its arrays (checked on the host) and read none of them back."""
+        self._step = views
+        return views
+
+    def rope_kv_attention(self, qkv: Any, positions: Any, cos_sin_cache: Any, kv_cache: Any,
+                          attn: Any, scale: float, num_heads: int, num_kv_heads: int,
+                          head_dim: int) -> Any:
+        """RoPE of q and k, their K/V written to the cache, paged attention:
+        ``kvserve.model.ops.rope_kv_attention``'s contract (qkv [T, (nh + 2
+        nkv) * hd]; returns a new [T, nh, hd]).
+
+        A decode step planned by ``prepare_step`` (``attn.plan``: every
+        sequence one new token), with at most ``MAX_GROUP`` query heads per
+        KV head, runs ``kernels.decode_fused_kernel``: one launch, a
+        second (the split-K reduction) only for a context longer than
+        ``partition_size``. Any other step runs the three ops in turn.
+        """
+        plan = getattr(attn, "plan", None)
+        group = num_heads // num_kv_heads if num_kv_heads else 0
+        if (not isinstance(plan, StepViews) or not plan.decode_only or plan.num_tiles
+                or group > kernels.MAX_GROUP or head_dim > kernels.MAX_HEAD_DIM):
+            return compose_rope_kv_attention(self, qkv, positions, cos_sin_cache, kv_cache,
+                                             attn, scale, num_heads, num_kv_heads, head_dim)
+        cache = self._check_cache(kv_cache, "rope_kv_attention")
+        qkv = self._float(qkv, "rope_kv_attention: qkv", "[T, (nh + 2 nkv) * hd]", 2,
+                          dtype=cache.dtype)
+        if (cache.shape[3:] != (num_kv_heads, head_dim)
+                or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim
+                or num_heads % num_kv_heads or head_dim % 2):
+            raise ValueError(f"rope_kv_attention: qkv {qkv.shape} and cache {cache.shape} do "
+                             f"not match {num_heads} heads, {num_kv_heads} KV heads of "
+                             f"{head_dim}")
+        xp, P = self.xp, self.partition_size
+        N = plan.num_decodes
+        parts = -(-plan.max_context // P)
+        out = xp.zeros((qkv.shape[0], num_heads, head_dim), qkv.dtype)
+        tmp_out = xp.empty((N, num_heads, parts if parts > 1 else 1, head_dim), np.float32)
+        max_logits = xp.empty((N, num_heads, parts), np.float32)
+        exp_sums = xp.empty((N, num_heads, parts), np.float32)
+        threads = self._threads(max(min(P, plan.max_context), head_dim))
+        self._launch(kernels.decode_fused_kernel, (N, num_kv_heads, parts), (threads,),
+                     qkv, positions, cos_sin_cache, cache, attn.block_tables, attn.slot_mapping,
+                     plan.tokens, plan.token_seq, plan.token_ctx, np.int32(num_heads),
+                     np.float32(scale), np.int32(P), out, tmp_out, max_logits, exp_sums)
+        if parts > 1:
+            self._launch(kernels.decode_reduce_kernel, (N, num_heads), (self._threads(head_dim),),
+                         tmp_out, max_logits, exp_sums, plan.tokens, plan.token_ctx, P, out)
+        return out
 
     # ------------------------------------------------------------------ #
 
@@ -688,7 +908,14 @@ class CudaOps:
             self.paged_attention(q[:n_new].copy(), cache, *meta,
                                  to(np.array([0, n_new], np.int32)), 0.5)
         wq = to(np.ones((4, 4), np.int8))
+        d = self.xp.ones((4, 1), np.float32)
+        q4 = BlockQuantizedWeight("q4", to(np.zeros((4, QK // 2), np.uint8)), d, d, "Q4_1")
+        q8 = BlockQuantizedWeight("q8", to(np.zeros((4, QK), np.int8)), d, None, "Q8_0")
         for rows in (1, kernels.GEMV_MAX_ROWS + 1):
             self.linear_int8(to(np.ones((rows, 4))), wq, self.xp.ones(4, np.float32))
             self.linear_w8a8(to(np.ones((rows, 4))), wq, self.xp.ones(4, np.float32))
+            for blocks in (q4, q8):
+                self.linear_q4(to(np.ones((rows, QK))), blocks)
+        self.embedding(to(np.arange(2)), q4)
+        self.embedding(to(np.arange(2)), q8)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvserve.config import ModelConfig
 from kvserve.model.ggml_blocks import BlockQuantizedWeight, concat_rows
-from kvserve.model.ops import Ops, build_rope_cache
+from kvserve.model.ops import Ops, StepGeometry, build_rope_cache
 from kvserve.model.quantization import LinearWeight, quantize_weight
 
 if TYPE_CHECKING:
@@ -38,12 +38,15 @@ class AttentionMetadata:
     - ``seq_lens``: int32[S], context length of each sequence after this step.
     - ``query_start_loc``: int32[S + 1], sequence s owns tokens
       ``query_start_loc[s]:query_start_loc[s+1]``.
+    - ``plan``: the backend's ``prepare_step`` result these arrays come
+      from (its precomputed attention work), or None.
     """
 
     slot_mapping: Any
     block_tables: Any
     seq_lens: Any
     query_start_loc: Any
+    plan: Any = None
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,6 @@ class LlamaModel:
         self.layers = [self._load_layer(weights, i) for i in range(config.num_hidden_layers)]
         self.rope_cache = ops.to_device(build_rope_cache(
             config.head_dim, config.max_position_embeddings, config.rope_theta))
-        self.q_size = config.num_attention_heads * config.head_dim
-        self.kv_size = config.num_key_value_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
 
     def _table(self, table: np.ndarray | BlockQuantizedWeight) -> LinearWeight:
@@ -157,14 +158,17 @@ class LlamaModel:
 
     def batch_hidden_states(self, batch: BatchInputs, kv_caches: list[Any]) -> Any:
         """``hidden_states`` of a host-built flat batch (``InputBatch.build``):
-        its arrays moved to the backend; [R, H] for its ``logits_indices``."""
-        to = self.ops.to_device
-        attn = AttentionMetadata(slot_mapping=to(batch.slot_mapping),
-                                 block_tables=to(batch.block_tables),
-                                 seq_lens=to(batch.seq_lens),
-                                 query_start_loc=to(batch.query_start_loc))
-        return self.hidden_states(to(batch.input_ids), to(batch.positions), attn, kv_caches,
-                                  to(batch.logits_indices))
+        its arrays checked and moved to the backend by ``Ops.prepare_step``
+        (one copy on a GPU); [R, H] for its ``logits_indices``."""
+        cache = kv_caches[0]
+        step = self.ops.prepare_step(batch, StepGeometry(
+            vocab_size=self.config.vocab_size, max_position=int(self.rope_cache.shape[0]),
+            num_blocks=int(cache.shape[0]), block_size=int(cache.shape[2])))
+        attn = AttentionMetadata(slot_mapping=step.slot_mapping, block_tables=step.block_tables,
+                                 seq_lens=step.seq_lens, query_start_loc=step.query_start_loc,
+                                 plan=step)
+        return self.hidden_states(step.input_ids, step.positions, attn, kv_caches,
+                                  step.logits_indices)
 
     def hidden_states(self, input_ids: Any, positions: Any, attn: AttentionMetadata,
                       kv_caches: list[Any], logits_indices: Any) -> Any:
@@ -200,17 +204,11 @@ class LlamaModel:
     def _attention(self, layer: LayerWeights, x: Any, positions: Any,
                    attn: AttentionMetadata, kv_cache: Any) -> Any:
         cfg, ops = self.config, self.ops
-        t = x.shape[0]
         hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
-        q = qkv[:, : self.q_size].copy()
-        k = qkv[:, self.q_size: self.q_size + self.kv_size].copy()
-        v = qkv[:, self.q_size + self.kv_size:].reshape(t, nkv, hd)
-        ops.rotary_embedding(positions, q, k, self.rope_cache, hd)
-        ops.write_kv(k.reshape(t, nkv, hd), v, kv_cache, attn.slot_mapping)
-        out = ops.paged_attention(q.reshape(t, nh, hd), kv_cache, attn.block_tables,
-                                  attn.seq_lens, attn.query_start_loc, self.scale)
-        return ops.linear(out.reshape(t, nh * hd), layer.o_proj)
+        out = ops.rope_kv_attention(qkv, positions, self.rope_cache, kv_cache, attn, self.scale,
+                                    nh, nkv, hd)
+        return ops.linear(out.reshape(x.shape[0], nh * hd), layer.o_proj)
 
 
 def _fuse(weights: list) -> np.ndarray | BlockQuantizedWeight:

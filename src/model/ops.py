@@ -25,9 +25,22 @@ out of range (token ids, slots, block ids, positions) raise ``ValueError``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class StepGeometry:
+    """What a step's indices are checked against: ``vocab_size`` rows of the
+    embedding, ``max_position`` rows of the RoPE table, ``num_blocks`` KV
+    blocks of ``block_size`` tokens."""
+
+    vocab_size: int
+    max_position: int
+    num_blocks: int
+    block_size: int
 
 
 @runtime_checkable
@@ -91,15 +104,42 @@ class Ops(Protocol):
         ...
 
     def paged_attention(self, q: Any, kv_cache: Any, block_tables: Any, seq_lens: Any,
-                        query_start_loc: Any, scale: float) -> Any:
+                        query_start_loc: Any, scale: float, plan: Any = None) -> Any:
         """Causal attention of every new token over its sequence's paged context.
 
         q: [T, nh, hd]; kv_cache as above (the new tokens' K/V already
         written); block_tables: int32[S, max_blocks]; seq_lens: int32[S];
         query_start_loc: int32[S+1]; scale: usually hd ** -0.5.  GQA: query
-        head h reads KV head ``h // (nh // nkv)``.  Returns a new
-        [T, nh, hd] array; rows of tokens owned by no sequence are zero.
+        head h reads KV head ``h // (nh // nkv)``.  ``plan``: what
+        ``prepare_step`` returned for the step these arrays belong to (a
+        backend may use its precomputed work; None: plan here).  Returns a
+        new [T, nh, hd] array; rows of tokens owned by no sequence are zero.
         Raises ValueError on inconsistent metadata or block ids out of range.
+        """
+        ...
+
+    def rope_kv_attention(self, qkv: Any, positions: Any, cos_sin_cache: Any, kv_cache: Any,
+                          attn: Any, scale: float, num_heads: int, num_kv_heads: int,
+                          head_dim: int) -> Any:
+        """The attention block after the fused QKV projection:
+        ``rotary_embedding`` of q and k, ``write_kv`` of k and v, then
+        ``paged_attention`` (``compose_rope_kv_attention`` is the reference
+        composition; a backend may fuse it).
+
+        qkv: [T, (nh + 2 nkv) * hd] (query heads, key heads, value heads);
+        positions: int64[T]; attn: the step's ``AttentionMetadata``.  Returns
+        a new [T, nh, hd] array.  Raises ValueError as the three ops do.
+        """
+        ...
+
+    def prepare_step(self, batch: Any, geometry: StepGeometry) -> Any:
+        """A step's inputs on the backend, from a host ``BatchInputs``.
+
+        Returns an object with the batch's arrays as backend arrays
+        (``input_ids``, ``positions``, ``slot_mapping``, ``block_tables``,
+        ``seq_lens``, ``query_start_loc``, ``logits_indices``), to pass on as
+        ``AttentionMetadata.plan``.  Raises ValueError for an index outside
+        ``geometry`` (a backend that checks on the host).
         """
         ...
 
@@ -122,6 +162,24 @@ class Ops(Protocol):
     def to_numpy(self, array: Any) -> np.ndarray:
         """Backend array -> host NumPy array."""
         ...
+
+
+def compose_rope_kv_attention(ops: Ops, qkv: Any, positions: Any, cos_sin_cache: Any,
+                              kv_cache: Any, attn: Any, scale: float, num_heads: int,
+                              num_kv_heads: int, head_dim: int) -> Any:
+    """``Ops.rope_kv_attention`` as three ops: q and k copied out of ``qkv``
+    and rotated, k and v (a view of ``qkv``) written, then paged attention.
+    Shapes and errors as ``Ops.rope_kv_attention``."""
+    t = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].copy()
+    k = qkv[:, q_size:q_size + kv_size].copy()
+    v = qkv[:, q_size + kv_size:].reshape(t, num_kv_heads, head_dim)
+    ops.rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
+    ops.write_kv(k.reshape(t, num_kv_heads, head_dim), v, kv_cache, attn.slot_mapping)
+    return ops.paged_attention(q.reshape(t, num_heads, head_dim), kv_cache, attn.block_tables,
+                               attn.seq_lens, attn.query_start_loc, scale,
+                               plan=getattr(attn, "plan", None))
 
 
 def build_rope_cache(head_dim: int, max_position: int, theta: float) -> np.ndarray:

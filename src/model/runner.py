@@ -26,7 +26,7 @@ from kvserve.model.drafter import DraftProposer
 from kvserve.model.input_batch import BatchInputs, InputBatch
 from kvserve.model.llama import AttentionMetadata, LlamaModel
 from kvserve.model.ops import Ops
-from kvserve.model.sampler import LogprobEntry, SamplingState, prompt_logprobs, sample
+from kvserve.model.sampler import Device, LogprobEntry, SamplingState, prompt_logprobs, sample
 from kvserve.model.spec_decode import verify_drafts, verify_rejection
 from kvserve.structured.masks import StructuredOutputs
 
@@ -100,10 +100,14 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
         self.input_batch = InputBatch(block_size)
         self.xp = getattr(ops, "xp", np)  # the array module of the backend's arrays
+        #: Where sampling runs: the backend's counted copies when it has them.
+        self.device = Device.of(ops if hasattr(ops, "upload") else self.xp)
         self._generator = np.random.default_rng(seed)
         self.structured = structured
         self.kv_connector = kv_connector
         self.drafter = drafter
+        #: The backend's decode CUDA graphs (``kvserve.cuda.graphs``), or None.
+        self.graphs = None
         #: Requests of a failed step: the step scheduled behind it (async
         #: scheduling) may still hold them; they are skipped until the
         #: scheduler reports them finished.
@@ -143,12 +147,17 @@ class ModelRunner:
             batch = replace(batch, logits_indices=np.concatenate([batch.logits_indices, *extra]))
         num_logits = num_sampled + len(spec_extra)
         t0 = time.perf_counter()
-        hidden = self._forward(batch)
-        logits = self._sampling_logits(hidden[:num_logits])
+        if (self.graphs is not None and not prompt_rows and not spec_rows
+                and self.graphs.accepts(batch)):
+            hidden, logits = None, self.graphs.replay(batch)  # a decode step's graph
+        else:
+            hidden = self._forward(batch)
+            logits = self._sampling_logits(hidden[:num_logits])
         if masks is not None:
             self.structured.apply(logits, constrained, masks.result(), self.xp)
         t1 = time.perf_counter()
-        self._gather_prompt_logprobs(prompt_rows, hidden[num_logits:])
+        if prompt_rows:
+            self._gather_prompt_logprobs(prompt_rows, hidden[num_logits:])
         output = self._sample(batch, logits, spec_rows)
         t2 = time.perf_counter()
         if self.drafter is not None:
@@ -239,12 +248,11 @@ class ModelRunner:
             offset += len(rows)
 
     def _sampling_logits(self, hidden):
-        """float32[R, V] logits of the sampled rows, left on the device (the
-        sampler runs on the backend's array module; only token ids and the
-        requested logprobs come back)."""
-        if self.xp is np:
-            return self._logits(hidden)
-        return self.model.compute_logits(hidden).astype(self.xp.float32)
+        """float32[R, V] logits of the sampled rows, left on the backend (the
+        sampler runs on its array module; only token ids and the requested
+        logprobs come back)."""
+        logits = self.model.compute_logits(hidden)
+        return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
     def _logits(self, hidden) -> np.ndarray:
         """float32[R, V] host logits of backend hidden states [R, H]."""
@@ -291,10 +299,11 @@ class ModelRunner:
         output = ModelRunnerOutput()
         plain = [i for i, rid in enumerate(batch.sample_ids) if rid not in spec_rows]
         if plain:
-            rows = logits if len(plain) == logits.shape[0] else logits[self.xp.asarray(plain)]
+            rows = (logits if len(plain) == logits.shape[0]
+                    else logits[self.device.upload(np.asarray(plain, dtype=np.int64))])
             ids = [batch.sample_ids[i] for i in plain]
             tokens, entries = sample(rows, [self.states[rid] for rid in ids],
-                                     self.logprobs_mode, self.xp)
+                                     self.logprobs_mode, self.device)
             for rid, token, entry in zip(ids, tokens, entries):
                 self._emit(output, rid, [token], entry)
         for rid, (rows_of, drafts) in spec_rows.items():

@@ -30,9 +30,10 @@ tokens than before; seeded temperature/min-p requests draw the same ones.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -195,7 +196,7 @@ class _Pairs:
                             else np.zeros(0, dtype=np.float32) for c in self.values)
 
 
-def _penalize(logits: np.ndarray, states: Sequence[SamplingState], xp: ModuleType = np) -> None:
+def _penalize(logits: np.ndarray, states: Sequence[SamplingState], xp: Any = np) -> None:
     """Logit bias, min_tokens, repetition and presence/frequency penalties in
     place on float32[R, V] ``logits`` (row r: ``states[r]``), all rows at once.
 
@@ -220,8 +221,9 @@ def _penalize(logits: np.ndarray, states: Sequence[SamplingState], xp: ModuleTyp
             ids, n = state.output_token_counts()
             counts.add(r, ids, n, p.presence_penalty, p.frequency_penalty)
     if bias.rows or banned.rows or seen.rows or counts.rows:
-        kernels.apply_penalties(logits, *(tuple(xp.asarray(a) for a in pairs.arrays())
-                                          for pairs in (bias, banned, seen, counts)), xp=xp)
+        dev = Device.of(xp)
+        kernels.apply_penalties(logits, *(tuple(dev.upload(a) for a in pairs.arrays())
+                                          for pairs in (bias, banned, seen, counts)), xp=dev.xp)
 
 
 def apply_penalties(logits: np.ndarray, state: SamplingState) -> None:
@@ -230,15 +232,16 @@ def apply_penalties(logits: np.ndarray, state: SamplingState) -> None:
     _penalize(logits[None, :], [state])
 
 
-def _warpers(params: Sequence[SamplingParams], vocab: int, xp: ModuleType = np
+def _warpers(params: Sequence[SamplingParams], vocab: int, xp: Any = np
              ) -> kernels.Warpers:
-    """The warper settings of random rows as arrays of ``xp`` (top_k -1 or
-    >= V: 0, off)."""
-    return kernels.Warpers(xp.asarray([p.temperature for p in params], dtype=np.float64),
-                           xp.asarray([p.top_k if 0 < p.top_k < vocab else 0 for p in params],
-                                      dtype=np.int64),
-                           xp.asarray([p.top_p for p in params], dtype=np.float64),
-                           xp.asarray([p.min_p for p in params], dtype=np.float64))
+    """The warper settings of random rows as arrays of ``xp`` (an array
+    module or a ``Device``; top_k -1 or >= V: 0, off)."""
+    up = Device.of(xp).upload
+    return kernels.Warpers(up(np.array([p.temperature for p in params], dtype=np.float64)),
+                           up(np.array([p.top_k if 0 < p.top_k < vocab else 0 for p in params],
+                                       dtype=np.int64)),
+                           up(np.array([p.top_p for p in params], dtype=np.float64)),
+                           up(np.array([p.min_p for p in params], dtype=np.float64)))
 
 
 def sample_row(logits: np.ndarray, state: SamplingState) -> int:
@@ -254,23 +257,50 @@ def _host(array) -> np.ndarray:
     return array.get() if hasattr(array, "get") else np.asarray(array)
 
 
+@dataclass(frozen=True)
+class Device:
+    """Where the sampler's arrays live: the array module ``xp``, and the
+    functions that copy a host array there (``upload``) and back
+    (``download``). A backend's ops object with ``xp``, ``upload`` and
+    ``download`` (``kvserve.cuda.ops.CudaOps``, which counts its copies)
+    serves as one; an array module alone gets ``xp.asarray`` and ``_host``."""
+
+    xp: ModuleType
+    upload: Callable[[Any], Any]
+    download: Callable[[Any], np.ndarray]
+
+    @classmethod
+    def of(cls, where: Any) -> Device:
+        """The ``Device`` of an array module or of a backend's ops object."""
+        if isinstance(where, Device):
+            return where
+        if hasattr(where, "upload") and hasattr(where, "download"):
+            return cls(where.xp, where.upload, where.download)
+        return cls(where, where.asarray, _host)
+
+
 def _entries(values: np.ndarray, token_ids: Sequence[int], ks: Sequence[int],
-             xp: ModuleType = np) -> list[LogprobEntry]:
-    """Logprob entries of float64[R, V] ``values`` (an ``xp`` array): row r's
-    value of ``token_ids[r]`` and its ``ks[r]`` largest (descending, ties by
-    lower id). Only these numbers leave the device."""
-    rows = xp.arange(len(token_ids))
-    chosen = values[rows, xp.asarray(token_ids, dtype=np.int64)].tolist()
+             xp: Any = np) -> list[LogprobEntry]:
+    """Logprob entries of float64[R, V] ``values`` (an array of ``xp``, an
+    array module or a ``Device``): row r's value of ``token_ids[r]`` and its
+    ``ks[r]`` largest (descending, ties by lower id). Only these numbers
+    leave the device."""
+    dev = Device.of(xp)
+    rows = dev.xp.arange(len(token_ids))
+    chosen = dev.download(values[rows, dev.upload(np.asarray(token_ids, dtype=np.int64))])
+    chosen = chosen.tolist()
     kmax = min(max(ks, default=0), values.shape[1])
     if kmax <= 0:
         return [(lp, ()) for lp in chosen]
-    ids, vals = (a.tolist() for a in kernels.top_values(values, kmax, xp))
+    ids, vals = (dev.download(a).tolist() for a in kernels.top_values(values, kmax, dev.xp))
     return [(lp, tuple(zip(i[:k], v[:k]))) for lp, i, v, k in zip(chosen, ids, vals, ks)]
 
 
-def _values(rows: np.ndarray, mode: str, xp: ModuleType = np) -> np.ndarray:
+def _values(rows: np.ndarray, mode: str, xp: Any = np) -> np.ndarray:
     """float64[R, V]: the logits themselves in ``raw_logits`` mode, else log-softmax."""
-    return rows.astype(np.float64) if mode == "raw_logits" else kernels.log_softmax(rows, xp)
+    if mode == "raw_logits":
+        return rows.astype(np.float64)
+    return kernels.log_softmax(rows, Device.of(xp).xp)
 
 
 def top_logprobs(row: np.ndarray, token_id: int, k: int, mode: str) -> LogprobEntry:
@@ -305,7 +335,7 @@ def prompt_logprobs(logits: np.ndarray, target_ids: np.ndarray, k: int, temperat
 
 
 def sample(logits: np.ndarray, states: list[SamplingState],
-           logprobs_mode: str = "processed_logprobs", xp: ModuleType = np
+           logprobs_mode: str = "processed_logprobs", xp: Any = np
            ) -> tuple[list[int], list[LogprobEntry | None]]:
     """Sample one token per row.
 
@@ -316,34 +346,40 @@ def sample(logits: np.ndarray, states: list[SamplingState],
         states: the rows' sampling states.
         logprobs_mode: ``processed_logprobs`` (after penalties and temperature,
             as the OpenAI reference describes), ``raw_logprobs`` or ``raw_logits``.
-        xp: the array module of ``logits``.
+        xp: the array module of ``logits``, or a ``Device`` (or a backend's
+            ops object) whose ``upload`` / ``download`` make every copy
+            between host and device (a greedy batch: one download of its
+            token ids).
 
     Returns:
         (token ids, logprob entries; None where the request did not ask).
     """
+    dev = Device.of(xp)
+    xp = dev.xp
     params = [s.params for s in states]
     asked = [r for r, p in enumerate(params) if p.logprobs is not None]
     raw = logits[asked] if asked and logprobs_mode.startswith("raw") else None  # a copy
-    _penalize(logits, states, xp)
+    _penalize(logits, states, dev)
     temperature = np.array([p.temperature for p in params], dtype=np.float64)
     tokens = np.zeros(len(states), dtype=np.int64)
     greedy = np.flatnonzero(temperature == 0.0)
     if greedy.size:
-        tokens[greedy] = _host(logits.argmax(axis=1))[greedy]
+        tokens[greedy] = dev.download(logits.argmax(axis=1))[greedy]
     rand = np.flatnonzero(temperature != 0.0)
     if rand.size:
-        u = xp.asarray([states[r].generator.random() for r in rand])
-        warpers = _warpers([params[r] for r in rand], logits.shape[1], xp)
-        x = logits if rand.size == len(states) else logits[xp.asarray(rand)]
-        tokens[rand] = _host(kernels.sample_random(x, warpers, u, xp))
+        u = dev.upload(np.array([states[r].generator.random() for r in rand]))
+        warpers = _warpers([params[r] for r in rand], logits.shape[1], dev)
+        x = logits if rand.size == len(states) else logits[dev.upload(rand)]
+        tokens[rand] = dev.download(kernels.sample_random(x, warpers, u, xp))
     token_list = tokens.tolist()
     entries: list[LogprobEntry | None] = [None] * len(states)
     if asked:
         if raw is None:
-            scale = xp.asarray([params[r].temperature or 1.0 for r in asked], dtype=np.float32)
+            scale = dev.upload(np.array([params[r].temperature or 1.0 for r in asked],
+                                        dtype=np.float32))
             raw = logits[asked] / scale[:, None]
-        got = _entries(_values(raw, logprobs_mode, xp), [token_list[r] for r in asked],
-                       [params[r].logprobs or 0 for r in asked], xp)
+        got = _entries(_values(raw, logprobs_mode, dev), [token_list[r] for r in asked],
+                       [params[r].logprobs or 0 for r in asked], dev)
         for r, entry in zip(asked, got):
             entries[r] = entry
     return token_list, entries
