@@ -51,3 +51,41 @@ def _cuda_backend_available():
     sys.setswitchinterval(SIMULATOR_SWITCH_INTERVAL_S)
     yield
     sys.setswitchinterval(previous)
+
+
+def _emulated_shfl_down_sync(self, mask, value, delta):
+    """``shfl.sync.down`` for the simulator's fake ``cuda`` module (it has none):
+    every thread posts its value, barrier, reads lane ``laneid + delta``'s post
+    (its own value past the warp or the block), barrier.  Float values only."""
+    assert mask == 0xFFFFFFFF
+    posts = self.shared.array(256, np.float32)
+    tid = self.threadIdx.x + self.blockDim.x * self.threadIdx.y
+    self.syncthreads()
+    posts[tid] = value
+    self.syncthreads()
+    src = tid + delta
+    if tid % 32 + delta >= 32 or src >= self.blockDim.x * self.blockDim.y:
+        return value
+    return posts[src]
+
+
+@pytest.fixture(params=["shared", "shuffle"])
+def warp_reduction(request, monkeypatch):
+    """Both code paths of the GEMV warp reductions (``gemv_kernels._lane_sums``).
+
+    Under the simulator: ``shared``, the simulator's own path; ``shuffle``, the
+    GPU's shuffle tree (``_shuffle_sums``) on an emulated ``cuda.shfl_down_sync``.
+    On a GPU the kernels are compiled with the shuffle: ``shared`` is skipped."""
+    from kvserve.cuda import gemv_kernels
+
+    if not numba_config.ENABLE_CUDASIM:
+        if request.param == "shared":
+            pytest.skip("a GPU compiles the shuffle path only")
+        return request.param
+    if request.param == "shuffle":
+        from numba.cuda.simulator.kernelapi import FakeCUDAModule
+
+        monkeypatch.setattr(FakeCUDAModule, "shfl_down_sync", _emulated_shfl_down_sync,
+                            raising=False)
+        monkeypatch.setattr(gemv_kernels, "_lane_sums", gemv_kernels._shuffle_sums)
+    return request.param
