@@ -47,7 +47,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "a GGUF file nor a hub id (default: SmolLM2-135M-Instruct, fetched and "
                         "converted from its GGUF on first use)")
     p.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto: cuda when CuPy sees a GPU, else cpu")
+                   help="auto: cuda when the start-up probe (a Numba kernel, a cuBLAS "
+                        "product, a copy back) passes on a GPU, else cpu with a warning")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
                    help="weights, activations and KV cache: auto = float32 on the CPU, "
                         "float16 on a GPU")
@@ -117,6 +118,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seconds of CPU a new output constraint may take to compile (in a "
                         "child process, before the request is queued); longer ones get 400 "
                         "(default 5)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="cuda: run decode steps eagerly instead of replaying the CUDA graphs "
+                        "captured at start-up per batch size (vLLM's flag)")
     p.add_argument("--stall-timeout", type=POSITIVE_FLOAT, default=60.0, metavar="SECONDS",
                    help="/health answers 503 when requests run or wait and no step finished "
                         "for this long (the role of vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S; "
@@ -167,7 +171,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         structured_outputs=StructuredOutputsConfig(
                             max_bytes=parse_size(args.structured_outputs_max_bytes),
                             timeout=args.structured_outputs_timeout),
-                        stall_timeout=args.stall_timeout,
+                        stall_timeout=args.stall_timeout, enforce_eager=args.enforce_eager,
                         fault_injection=getattr(args, "fault_injection", None))
 
 

@@ -311,7 +311,8 @@ class EngineConfig:
     logits) or ``raw_logits`` (the logits themselves, to compare against
     reference outputs). ``num_threads``: CPU threads of both BLAS and Numba
     (None: the CPUs this process may use; see ``kvserve.cpu.threads``).
-    ``backend``: ``auto`` (CUDA when CuPy sees a device), ``cpu`` or ``cuda``;
+    ``backend``: ``auto`` (CUDA when the start-up probe passes:
+    ``kvserve.cuda.probe``), ``cpu`` or ``cuda``;
     ``dtype`` (vLLM's ``--dtype``): of weights, activations and KV cache,
     ``auto`` = float32 on the CPU, float16 on a GPU. ``quantization``:
     ``none``, ``int8`` (weight-only), ``w8a8`` or ``q4`` (the GGUF's own
@@ -329,6 +330,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    #: CUDA: run decode steps eagerly instead of replaying CUDA graphs
+    #: captured per batch size (vLLM's ``--enforce-eager``).
+    enforce_eager: bool = False
     #: Seconds without a completed step, while requests run or wait, after
     #: which ``/health`` answers 503 (``kvserve.core.stall``; vLLM's
     #: ``VLLM_ENGINE_ITERATION_TIMEOUT_S`` has the same default).

@@ -129,6 +129,10 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         backend.ops, runner.kv_caches, config.cache, model_fingerprint(path, config, backend))
     _log_offload_tier(connector, plan)
     backend.warmup()
+    if backend.name == "cuda":
+        from kvserve.cuda.backend import capture_graphs
+        runner.graphs = capture_graphs(backend, model, runner.kv_caches,
+                                       config.scheduler.max_num_seqs, max_len)
     kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching,
                         external=connector if connector.tier is not None else None)
     scheduler = Scheduler(replace(config.scheduler, max_model_len=max_len), kv, plan.block_size)

@@ -11,6 +11,7 @@ KV cache gets ``--kv-cache-memory`` bytes.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
 import numpy as np
@@ -31,27 +32,53 @@ def simulator_enabled() -> bool:
     return bool(numba_config.ENABLE_CUDASIM)
 
 
+def cupy_installed() -> bool:
+    """True when a ``cupy`` package is installed (found, not imported)."""
+    return importlib.util.find_spec("cupy") is not None
+
+
 def check_available() -> None:
-    """Raise ``BackendUnavailable`` (one line) unless a CUDA device or the
-    simulator can run the kernels."""
-    if simulator_enabled() or cuda_device_present():
+    """Raise ``BackendUnavailable`` (one line) unless the simulator is on or
+    the start-up probe (``kvserve.cuda.probe.probe_cuda``: import, device,
+    kernel, cuBLAS matmul, read-back) passes on this machine."""
+    if simulator_enabled():
         return
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        raise BackendUnavailable(
-            "--backend cuda needs CuPy and a CUDA device: CuPy is not installed "
-            "(pip install 'kvserve[cuda]'), or use --backend cpu") from None
-    raise BackendUnavailable("--backend cuda needs a CUDA device and CuPy found none; "
-                             "use --backend cpu")
+    from kvserve.cuda.probe import probe_cuda
+
+    result = probe_cuda()
+    if not result.ok:
+        raise BackendUnavailable(f"--backend cuda needs a working CUDA stack; the start-up "
+                                 f"probe failed at {result.step}: {result.reason}; "
+                                 f"or use --backend cpu")
+
+
+def auto_picks_cuda() -> bool:
+    """``--backend auto``'s choice: True when the start-up probe passes.
+
+    Without CuPy installed: False at once, nothing CUDA imported (a CPU
+    machine). Under Numba's CUDA simulator: no probe, True when CuPy sees a
+    device (the simulator is a test mode). A failed probe: False, with one
+    warning line ``cuda_probe_failed`` carrying the step and reason.
+    """
+    if not cupy_installed():
+        return False
+    if simulator_enabled():
+        return cuda_device_present()
+    from kvserve.cuda.probe import probe_cuda
+
+    result = probe_cuda()
+    if not result.ok:
+        log.warning("cuda_probe_failed", step=result.step, reason=result.reason,
+                    message=f"--backend auto: CUDA is installed but unusable, serving on the "
+                            f"CPU; the probe failed at {result.step}: {result.reason}")
+    return result.ok
 
 
 class CudaBackend:
     """Float16 (or float32) kernels on the device.
 
-    Raises ``BackendUnavailable`` when there is neither a device nor the
-    simulator, and ``ValueError`` for a dtype other than float16/float32 or
-    for ``--quantization q4`` (no CUDA kernels for GGUF blocks yet).
+    Raises ``BackendUnavailable`` when the start-up probe fails (and the
+    simulator is off), and ``ValueError`` for a dtype other than float16/float32.
     """
 
     name = "cuda"
@@ -60,9 +87,6 @@ class CudaBackend:
         check_available()
         from kvserve.cuda.ops import CudaOps
 
-        if config.quantization == "q4":
-            raise ValueError("--quantization q4 (GGUF blocks) runs on the cpu backend only; "
-                             "on cuda use int8 or w8a8")
         self.config = config
         self.simulated = simulator_enabled()
         default = "float32" if self.simulated else "float16"
@@ -102,6 +126,37 @@ class CudaBackend:
     def warmup(self) -> None:
         """Compile every kernel once (``CudaOps.warmup``)."""
         self.ops.warmup()
+
+
+def capture_graphs(backend: CudaBackend, model, kv_caches, max_num_seqs: int,
+                   max_model_len: int):
+    """The decode step's CUDA graphs (``kvserve.cuda.graphs.DecodeGraphs``)
+    for ``model`` over ``kv_caches``, or None (logged as ``cuda_graphs``
+    with the reason): with ``--enforce-eager``, under the simulator
+    (nothing to capture), or when capturing fails (then the engine runs
+    eagerly, with a warning)."""
+    from kvserve.cuda.graphs import DecodeGraphs, decode_run
+    from kvserve.model.ops import StepGeometry
+
+    reason = ("--enforce-eager" if backend.config.enforce_eager
+              else "Numba's CUDA simulator has no graphs" if backend.simulated else None)
+    if reason is not None:
+        log.info("cuda_graphs", captured=False, reason=reason,
+                 message=f"CUDA graphs not captured ({reason}): decode steps run eagerly")
+        return None
+    cache = kv_caches[0]
+    geometry = StepGeometry(model.config.vocab_size, int(model.rope_cache.shape[0]),
+                            int(cache.shape[0]), int(cache.shape[2]))
+    try:
+        graphs = DecodeGraphs(backend.ops, decode_run(model, kv_caches), geometry,
+                              max_num_seqs, max_model_len)
+    except Exception as exc:  # noqa: BLE001 - eager still works: say why, go on
+        log.warning("cuda_graphs", captured=False, reason=f"{type(exc).__name__}: {exc}",
+                    message=f"CUDA graph capture failed ({type(exc).__name__}: {exc}); "
+                            "decode steps run eagerly")
+        return None
+    graphs.log()
+    return graphs
 
 
 def _device_fields(simulated: bool) -> dict:
