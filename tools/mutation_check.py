@@ -45,8 +45,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 SAMPLER_TESTS = ("tests/model/test_sampler.py", "tests/model/test_sampler_batched.py")
 FORWARD_TESTS = ("tests/model/test_forward_reference.py",)
-KERNEL_TESTS = ("tests/cpu/test_kernels.py",) + FORWARD_TESTS
-CUDA_TESTS = ("tests/cuda/test_cuda_ops_conformance.py",)
+#: The ops every backend must get right, run over each registered backend.
+CONFORMANCE_TESTS = ("tests/backends/test_ops_conformance.py",)
+KERNEL_TESTS = ("tests/cpu/test_kernels.py",) + CONFORMANCE_TESTS + FORWARD_TESTS
+CUDA_TESTS = ("tests/cuda/test_cuda_ops_routes.py",) + CONFORMANCE_TESTS
 INT8_TESTS = ("tests/cpu/test_int8.py", "tests/model/test_quantization.py")
 
 

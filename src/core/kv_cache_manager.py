@@ -26,32 +26,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import NamedTuple
 
 from .block_hash import content_hash, hash_request_blocks
 from .kv_events import KVEventLog
 from .kv_transfer import BlockTransfer, ExternalKV
 from .outputs import PrefixCacheDivergence
-from .prefix_explainer import find_divergence
+from .prefix_explainer import BlockContent, find_divergence
 from .request import Request
-
-
-class BlockContent(NamedTuple):
-    """What the cache-miss explainer remembers about one cached full block.
-
-    - ``content_hash``: position-independent hash of the block's tokens alone
-      (``block_hash.content_hash``); equal for equal tokens after any prefix.
-    - ``position``: the block's index in its request (token positions
-      ``position * block_size`` onwards).
-    - ``parent_hash``: chain hash of the previous block (None for block 0),
-      to walk a cached prompt backwards.
-    - ``token_ids``: the block's tokens, to find the first differing token.
-    """
-
-    content_hash: bytes
-    position: int
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
 
 
 class KVCacheBlock:

@@ -5,7 +5,7 @@ The prefix cache identifies a block by its chain hash, which depends on every
 token before it: change one early token and every later block misses, even
 though the rest of the prompt is already cached. Each cached full block also
 carries a ``BlockContent`` (position-independent content hash, block index,
-parent chain hash, tokens; see ``kv_cache_manager``), indexed by
+parent chain hash, tokens; defined here, kept by ``kv_cache_manager``), indexed by
 ``(content hash, block index)`` in ``BlockPool.content_index``. With it, at a
 request's first admission:
 
@@ -50,12 +50,9 @@ most ``num_blocks`` of them -- no per-request history is kept.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import NamedTuple, Protocol
 
 from .outputs import PrefixCacheDivergence
-
-if TYPE_CHECKING:
-    from .kv_cache_manager import BlockPool, KVCacheBlock
 
 #: Siblings examined at ``j*`` (most recently cached first).
 MAX_CANDIDATES = 4
@@ -63,7 +60,53 @@ MAX_CANDIDATES = 4
 WALK_BUDGET_PER_BLOCK = 4
 
 
-def find_divergence(pool: BlockPool, request_id: str, prompt_token_ids: Sequence[int],
+class BlockContent(NamedTuple):
+    """What the cache-miss explainer remembers about one cached full block.
+
+    - ``content_hash``: position-independent hash of the block's tokens alone
+      (``block_hash.content_hash``); equal for equal tokens after any prefix.
+    - ``position``: the block's index in its request (token positions
+      ``position * block_size`` onwards).
+    - ``parent_hash``: chain hash of the previous block (None for block 0),
+      to walk a cached prompt backwards.
+    - ``token_ids``: the block's tokens, to find the first differing token.
+    """
+
+    content_hash: bytes
+    position: int
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+
+
+class CachedBlock(Protocol):
+    """A cached block as the explainer reads it (``kv_cache_manager.KVCacheBlock``)."""
+
+    block_hash: bytes | None
+    content: BlockContent | None
+
+
+class CachedBlocks(Protocol):
+    """The look-ups the explainer needs from the pool of cached blocks
+    (``kv_cache_manager.BlockPool``; this module does not import it)."""
+
+    def get_cached_block(self, block_hash: bytes) -> CachedBlock | None:
+        """The block registered under ``block_hash``, or None."""
+        ...
+
+    def blocks_at(self, block_content_hash: bytes, position: int,
+                  limit: int | None = None) -> list[CachedBlock]:
+        """Cached blocks with this content at block index ``position``, most
+        recently cached first, at most ``limit``."""
+        ...
+
+    def child_at(self, block_content_hash: bytes, position: int,
+                 parent_hash: bytes) -> CachedBlock | None:
+        """The cached block with this content at ``position`` whose parent
+        is hashed ``parent_hash``, or None."""
+        ...
+
+
+def find_divergence(pool: CachedBlocks, request_id: str, prompt_token_ids: Sequence[int],
                     block_hashes: Sequence[bytes], content_hashes: Callable[[int], list[bytes]],
                     num_hit_blocks: int, block_size: int) -> PrefixCacheDivergence | None:
     """The request's ``PrefixCacheDivergence`` against the cached blocks of
@@ -91,8 +134,8 @@ def find_divergence(pool: BlockPool, request_id: str, prompt_token_ids: Sequence
     return None
 
 
-def _siblings_at(pool: BlockPool, chash: bytes, j: int, i: int, root: bytes | None,
-                 budget: list[int]) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+def _siblings_at(pool: CachedBlocks, chash: bytes, j: int, i: int, root: bytes | None,
+                 budget: list[int]) -> list[tuple[CachedBlock, CachedBlock]]:
     """``(C_j, C_i)`` pairs of the siblings found at block index ``j``."""
     found = []
     for block in pool.blocks_at(chash, j, MAX_CANDIDATES):
@@ -102,8 +145,8 @@ def _siblings_at(pool: BlockPool, chash: bytes, j: int, i: int, root: bytes | No
     return found
 
 
-def _walk_back(pool: BlockPool, block: KVCacheBlock, i: int,
-               budget: list[int]) -> KVCacheBlock | None:
+def _walk_back(pool: CachedBlocks, block: CachedBlock, i: int,
+               budget: list[int]) -> CachedBlock | None:
     """The resident ancestor of ``block`` at block index ``i``, or None (a
     link evicted, a block without content, or the step budget spent)."""
     while block.content.position > i:
@@ -117,9 +160,9 @@ def _walk_back(pool: BlockPool, block: KVCacheBlock, i: int,
     return block
 
 
-def _best(pool: BlockPool, request_id: str, tokens: Sequence[int],
+def _best(pool: CachedBlocks, request_id: str, tokens: Sequence[int],
           content_hashes: Callable[[int], list[bytes]],
-          siblings: list[tuple[KVCacheBlock, KVCacheBlock]], j: int, i: int, cap: int,
+          siblings: list[tuple[CachedBlock, CachedBlock]], j: int, i: int, cap: int,
           block_size: int) -> PrefixCacheDivergence:
     """The divergence against the best-matching sibling. Siblings are tried
     latest first difference first (then most recent); the search stops at one
@@ -138,7 +181,7 @@ def _best(pool: BlockPool, request_id: str, tokens: Sequence[int],
     return best
 
 
-def _run_end(pool: BlockPool, block: KVCacheBlock, content_hashes: Callable[[int], list[bytes]],
+def _run_end(pool: CachedBlocks, block: CachedBlock, content_hashes: Callable[[int], list[bytes]],
              j: int, limit: int) -> int:
     """First block index after ``j`` where the chain of ``block`` does not
     continue with a cached block holding the request's tokens (at most

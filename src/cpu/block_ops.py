@@ -10,8 +10,8 @@ chunks up to the CPU's default step budget) take the panel kernel, which
 reads each weight byte once per call; more rows dequantize
 panels of ``PREFILL_PANEL_FLOATS / K`` channels (4 MiB of float32, in L2/L3)
 and multiply each with BLAS sgemm. Products of at least
-``quant_ops.PARALLEL_MIN_MACS`` multiply-adds run on Numba's threads under
-``kvserve.cpu.ops._PARALLEL_REGION``, smaller ones on the caller's thread.
+``kvserve.cpu.parallel.PARALLEL_MIN_MACS`` multiply-adds run on Numba's threads
+under ``PARALLEL_REGION``, smaller ones on the caller's thread.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvserve.cpu import block_kernels as bk
-from kvserve.cpu.ops import _PARALLEL_REGION
-from kvserve.cpu.quant_ops import _check_array, parallel_chunks
+from kvserve.cpu.parallel import PARALLEL_REGION, check_array, parallel_chunks
 from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
 
 #: Rows up to which the panel kernel beats dequantize + sgemm. Measured on
@@ -36,14 +35,14 @@ def check_weight(w: BlockQuantizedWeight) -> None:
     """ValueError naming the bad array of a block weight (dtype, shape, layout)."""
     if not isinstance(w, BlockQuantizedWeight) or w.kind not in ("q4", "q8"):
         raise ValueError(f"w: expected a q4 or q8 BlockQuantizedWeight, got {w!r:.80}")
-    _check_array("w.d", w.d, np.float32, 2)
+    check_array("w.d", w.d, np.float32, 2)
     n, blocks = w.d.shape
     if w.kind == "q4":
-        _check_array("w.qs", w.qs, np.uint8, 2)
-        _check_array("w.m", w.m, np.float32, 2)
+        check_array("w.qs", w.qs, np.uint8, 2)
+        check_array("w.m", w.m, np.float32, 2)
         expected = {"w.qs": (n, blocks * QK // 2), "w.m": (n, blocks)}
     else:
-        _check_array("w.qs", w.qs, np.int8, 2)
+        check_array("w.qs", w.qs, np.int8, 2)
         expected = {"w.qs": (n, blocks * QK)}
     for name, shape in expected.items():
         got = w.qs.shape if name == "w.qs" else w.m.shape
@@ -68,12 +67,12 @@ def linear_blocks(x: np.ndarray, w: BlockQuantizedWeight, bias: np.ndarray | Non
         ValueError: naming the argument, for a wrong dtype, shape or layout.
     """
     check_weight(w)
-    _check_array("x", x, np.float32, 2)
+    check_array("x", x, np.float32, 2)
     n, k = w.shape
     if x.shape[1] != k:
         raise ValueError(f"x: {x.shape} does not match the weight's K = {k}")
     if bias is not None:
-        _check_array("bias", bias, np.float32, 1)
+        check_array("bias", bias, np.float32, 1)
         if bias.shape != (n,):
             raise ValueError(f"bias: shape {bias.shape}, expected ({n},)")
     chunks = parallel_chunks(x.shape, n, num_threads)
@@ -89,7 +88,7 @@ def linear_blocks(x: np.ndarray, w: BlockQuantizedWeight, bias: np.ndarray | Non
 def _gemv(x: np.ndarray, w: BlockQuantizedWeight, chunks: int) -> np.ndarray:
     out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
     if chunks:
-        with _PARALLEL_REGION:
+        with PARALLEL_REGION:
             if w.kind == "q4":
                 bk.q4_gemv_parallel(x, w.qs, w.d, w.m, out, chunks)
             else:
@@ -117,7 +116,7 @@ def dequantize_rows_into(w: BlockQuantizedWeight, lo: int, hi: int, out: np.ndar
                          chunks: int = 0) -> None:
     """out[: hi - lo] = float32 rows [lo, hi) of ``w`` (the kernel's dequantization)."""
     if chunks:
-        with _PARALLEL_REGION:
+        with PARALLEL_REGION:
             if w.kind == "q4":
                 bk.dequantize_q4_parallel(w.qs, w.d, w.m, out, lo, hi, chunks)
             else:

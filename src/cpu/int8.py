@@ -21,7 +21,7 @@ the tile kernel's speed (LLVM emits no VNNI ``vpdpbusd`` for the int32
 form; see ``kvserve.cpu.quant_kernels``).
 
 Mapping: output channels are split across Numba threads (``prange`` over n)
-for products of at least ``quant_ops.PARALLEL_MIN_MACS`` multiply-adds,
+for products of at least ``parallel.PARALLEL_MIN_MACS`` multiply-adds,
 smaller ones run on the caller's thread (a parallel region costs more);
 each weight row is read once and dotted with every activation row while it
 is in L1. The integer inner loop is exact in any order.
@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+
+from kvserve.cpu.parallel import PARALLEL_REGION, parallel_chunks
+from kvserve.cpu.quant_ops import linear_int8
 
 #: Largest magnitude of a symmetric int8 code.
 INT8_MAX = 127
@@ -135,7 +138,7 @@ def w8a8_accumulate(xq: np.ndarray, x_scales: np.ndarray, qweight: np.ndarray,
                     group: int, n_chunks: int = 0) -> np.ndarray:
     """float32[M, N]: per group the exact int32 product of the int8 operands,
     times the group's activation scale, summed over groups; on ``n_chunks``
-    Numba threads (the caller holds ``ops._PARALLEL_REGION``), or serially
+    Numba threads (the caller holds ``parallel.PARALLEL_REGION``), or serially
     for 0."""
     out = np.empty((xq.shape[0], qweight.shape[0]), dtype=np.float32)
     if n_chunks:
@@ -152,8 +155,6 @@ def linear_w8a8(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
     arguments and errors as ``quant_ops.linear_int8``: x float32[M, K]
     C-contiguous, qweight int8[N, K], scales float32[N], bias float32[N] or
     None, ``num_threads`` Numba threads; ``ValueError`` naming the argument."""
-    from kvserve.cpu import quant_ops  # not at the top: it imports ops, which imports us
-
     _check(x, qweight, scales, "linear_w8a8")
     group = group_size(x.shape[1])
     xq, x_scales = quantize_activations(x, group)
@@ -161,10 +162,10 @@ def linear_w8a8(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
         # The quantized activations, rescaled to float32, through the int8
         # weight-only tile kernel (see the module docstring).
         x_deq = xq.astype(np.float32) * np.repeat(x_scales, group, axis=1)
-        return quant_ops.linear_int8(x_deq, qweight, scales, bias, num_threads)
-    n_chunks = quant_ops.parallel_chunks(x.shape, qweight.shape[0], num_threads)
+        return linear_int8(x_deq, qweight, scales, bias, num_threads)
+    n_chunks = parallel_chunks(x.shape, qweight.shape[0], num_threads)
     if n_chunks:
-        with quant_ops._PARALLEL_REGION:
+        with PARALLEL_REGION:
             out = w8a8_accumulate(xq, x_scales, qweight, group, n_chunks)
     else:
         out = w8a8_accumulate(xq, x_scales, qweight, group)

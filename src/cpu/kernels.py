@@ -51,7 +51,7 @@ def _has_openmp_layer() -> bool:
 
 
 #: True when parallel regions are cheap (the OpenMP layer): the parallel
-#: thresholds of the ops (``quant_ops.PARALLEL_MIN_MACS``,
+#: thresholds of the ops (``parallel.PARALLEL_MIN_MACS``,
 #: ``ops.ATTENTION_PARALLEL_MIN_MACS``) follow it.
 CHEAP_PARALLEL_REGIONS = _has_openmp_layer()
 

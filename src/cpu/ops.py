@@ -9,14 +9,14 @@ for exactly one type signature; the checks cost O(1) or O(metadata) per call.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from kvserve.cpu import int8, kernels
+from kvserve.cpu import block_ops, int8, kernels, quant_ops
+from kvserve.cpu.parallel import PARALLEL_REGION, parallel_chunks
 from kvserve.cpu.prefill_attention import prefill_attention
 from kvserve.model.ops import build_rope_cache, compose_rope_kv_attention
 from kvserve.model.ggml_blocks import BlockQuantizedWeight
@@ -113,10 +113,6 @@ def _inplace(a: np.ndarray, name: str) -> tuple[np.ndarray, bool]:
     return np.ascontiguousarray(a), True
 
 
-#: Held around every Numba parallel region (see ``CpuOps._attention_kernel``).
-_PARALLEL_REGION = threading.Lock()
-
-
 class CpuOps:
     """NumPy + Numba implementation of :class:`kvserve.model.ops.Ops` (float32).
 
@@ -182,8 +178,6 @@ class CpuOps:
         """
         ids = _int(token_ids, np.int64, "embedding token_ids", 1)
         if isinstance(table, BlockQuantizedWeight):
-            from kvserve.cpu import block_ops  # imports this module's lock
-
             return block_ops.embedding_blocks(ids, table)
         if table.ndim != 2:
             raise ValueError(f"embedding: table must be [V, H], got {table.shape}")
@@ -205,8 +199,6 @@ class CpuOps:
         if isinstance(weight, QuantizedWeight):
             return self._linear_quantized(np.ascontiguousarray(x, dtype=_F32), weight, bias)
         if isinstance(weight, BlockQuantizedWeight):
-            from kvserve.cpu import block_ops  # imports this module's lock
-
             return block_ops.linear_blocks(np.ascontiguousarray(x, dtype=_F32), weight, bias,
                                            num_threads=self._threads())
         x = np.asarray(x, dtype=_F32)
@@ -228,12 +220,10 @@ class CpuOps:
 
     def _gemv(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         """``x @ weight.T`` by ``kernels.f32_gemv_*``: float32[M, K] x, float32[N, K] weight."""
-        from kvserve.cpu.quant_ops import parallel_chunks  # imports this module
-
         out = np.empty((x.shape[0], weight.shape[0]), dtype=_F32)
         chunks = parallel_chunks(x.shape, weight.shape[0], self._threads())
         if chunks:
-            with _PARALLEL_REGION:
+            with PARALLEL_REGION:
                 kernels.f32_gemv_parallel(x, weight, out, chunks)
         else:
             kernels.f32_gemv_range(x, weight, out, 0, weight.shape[0])
@@ -242,8 +232,6 @@ class CpuOps:
     def _linear_quantized(self, x: np.ndarray, weight: QuantizedWeight,
                           bias: np.ndarray | None) -> np.ndarray:
         if weight.scheme == "int8":
-            from kvserve.cpu import quant_ops  # imports this module's lock
-
             return quant_ops.linear_int8(x, weight.qweight, weight.scales, bias,
                                          num_threads=self._threads())
         return int8.linear_w8a8(x, weight.qweight, weight.scales, bias,
@@ -425,7 +413,7 @@ class CpuOps:
             kernels.paged_attention_kernel_serial(q, kv_cache, bt, sl, qsl, np.float32(scale),
                                                   self.tile_q, out)
             return
-        with _PARALLEL_REGION:
+        with PARALLEL_REGION:
             kernels.paged_attention_kernel(q, kv_cache, bt, sl, qsl, np.float32(scale),
                                            self.tile_q, threads, out)
 

@@ -37,7 +37,7 @@ contiguous ranges of whole NR-channel groups, one per ``prange`` iteration.
 A Numba parallel region costs 50-120 us to enter (measured on the 2-core
 machine, even with one thread), more than a whole 576 x 576 x 8 product, so
 ``kvserve.cpu.quant_ops`` calls the ``*_range`` functions serially for small
-products and holds ``kvserve.cpu.ops._PARALLEL_REGION`` around the parallel
+products and holds ``kvserve.cpu.parallel.PARALLEL_REGION`` around the parallel
 ones.
 
 What the assembly shows (``kernel.inspect_asm(kernel.signatures[0])`` of the

@@ -15,9 +15,9 @@
 * :func:`w8a8_accumulate`: the int32 accumulator alone.
 
 Path choice: at most ``GEMV_MAX_ROWS`` rows take the decode loop order,
-more the cache-tiled one; at least ``PARALLEL_MIN_MACS`` multiply-adds
+more the cache-tiled one; at least ``parallel.PARALLEL_MIN_MACS`` multiply-adds
 and more than one thread run on Numba's threads under
-``kvserve.cpu.ops._PARALLEL_REGION``, smaller products serially on the
+``kvserve.cpu.parallel.PARALLEL_REGION``, smaller products serially on the
 caller's thread (a parallel region costs more than they do).
 
 Operands are checked, never converted: a wrong dtype, shape or layout
@@ -28,16 +28,14 @@ accepted but compiles a second variant of the kernels.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from kvserve.cpu import quant_kernels as qk
-from kvserve.cpu.kernels import CHEAP_PARALLEL_REGIONS
-from kvserve.cpu.ops import _PARALLEL_REGION
+from kvserve.cpu.parallel import PARALLEL_REGION, check_array, parallel_chunks
 from kvserve.cpu.quant_kernels import INT8_MAX, W8A8_MAX_K, quantize_activations
 
-__all__ = ["GEMV_MAX_ROWS", "PARALLEL_MIN_MACS", "linear_int8", "linear_w8a8",
-           "parallel_chunks", "quantize_activations", "quantize_weight", "w8a8_accumulate"]
+__all__ = ["GEMV_MAX_ROWS", "linear_int8", "linear_w8a8", "quantize_activations",
+           "quantize_weight", "w8a8_accumulate"]
 
 #: Products with at most this many rows (decode batches) take the GEMV loop
 #: order, larger ones the cache-tiled one. Up to one row tile (MR rows) the
@@ -46,14 +44,6 @@ __all__ = ["GEMV_MAX_ROWS", "PARALLEL_MIN_MACS", "linear_int8", "linear_w8a8",
 #: measured 1.7x slower on the 49152 x 576 LM head (out of cache) at M = 6-8,
 #: the same on cache-resident layers.
 GEMV_MAX_ROWS = 4
-#: Products of fewer multiply-adds (M * N * K) run serially. Entering a
-#: Numba parallel region costs 1.3 us with the OpenMP layer, and 50-120 us
-#: with workqueue (the fallback) on the 2-core machine, more when another
-#: process holds a core; measured break-even with workqueue: 576 x 1536 x 32
-#: (28 M) still lost 10-30% with 2 threads, the 49152 x 576 LM head at M = 1
-#: (28 M, memory-bound) gained 35-40%. With OpenMP, a 576 x 576 decode
-#: product (0.3 M) already gains.
-PARALLEL_MIN_MACS = 1 << 16 if CHEAP_PARALLEL_REGIONS else 1 << 24
 #: Scale of an all-zero weight row (its codes are all 0 whatever it is; the
 #: same value as ``kvserve.model.quantization.quantize_int8``).
 ZERO_ROW_SCALE = 1.0
@@ -108,7 +98,7 @@ def linear_int8(x: np.ndarray, wq: np.ndarray, scales: np.ndarray,
     tiled = x.shape[0] > GEMV_MAX_ROWS
     n_chunks = parallel_chunks(x.shape, wq.shape[0], num_threads)
     if n_chunks:
-        with _PARALLEL_REGION:
+        with PARALLEL_REGION:
             qk.int8_parallel(x, wq, scales, out, tiled, n_chunks)
     elif tiled:
         qk.int8_tiled_range(x, wq, scales, out, 0, wq.shape[0])
@@ -148,7 +138,7 @@ def w8a8_accumulate(xq: np.ndarray, wq: np.ndarray, num_threads: int | None = No
     tiled = xq.shape[0] > GEMV_MAX_ROWS
     n_chunks = parallel_chunks(xq.shape, wq.shape[0], num_threads)
     if n_chunks:
-        with _PARALLEL_REGION:
+        with PARALLEL_REGION:
             qk.w8a8_parallel(xq, wq, acc, tiled, n_chunks)
     elif tiled:
         qk.w8a8_tiled_range(xq, wq, acc, 0, wq.shape[0])
@@ -160,59 +150,25 @@ def w8a8_accumulate(xq: np.ndarray, wq: np.ndarray, num_threads: int | None = No
 # --------------------------------------------------------------------------- #
 
 
-def parallel_chunks(x_shape: tuple[int, int], n: int, num_threads: int | None) -> int:
-    """Channel ranges to run in parallel, 0 for a serial call: the one rule
-    of every CPU product (int8, w8a8, GGUF blocks, the float32 GEMV) for
-    ``x_shape`` (M, K) times N channels, by ``PARALLEL_MIN_MACS``.
-
-    Applies ``num_threads`` to the calling thread (Numba's setting is per
-    thread, as in ``CpuOps._threads``).
-    """
-    if num_threads is not None:
-        limit = numba.config.NUMBA_NUM_THREADS
-        if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)) \
-                or not 1 <= num_threads <= limit:
-            raise ValueError(f"num_threads: must be an int in [1, {limit}], got {num_threads!r}")
-        if numba.get_num_threads() != num_threads:
-            numba.set_num_threads(int(num_threads))
-    threads = numba.get_num_threads()
-    m, k = x_shape
-    if threads == 1 or m * n * k < PARALLEL_MIN_MACS:
-        return 0
-    return threads
-
-
 def _check_operands(x: np.ndarray, wq: np.ndarray, scales: np.ndarray | None = None,
                     bias: np.ndarray | None = None, *, x_name: str = "x",
                     x_dtype: type = np.float32, max_k: int | None = None) -> None:
     """ValueError naming the first bad argument (see :func:`linear_int8`)."""
-    _check_array(x_name, x, x_dtype, 2)
-    _check_array("wq", wq, np.int8, 2)
+    check_array(x_name, x, x_dtype, 2)
+    check_array("wq", wq, np.int8, 2)
     if wq.shape[1] != x.shape[1]:
         raise ValueError(f"wq: {wq.shape} must be [N, K] with the K of {x_name} {x.shape}")
     if max_k is not None and x.shape[1] > max_k:
         raise ValueError(f"{x_name}: K = {x.shape[1]} exceeds {max_k}, beyond which the int32 "
                          "sums could overflow")
     if scales is not None:
-        _check_array("scales", scales, np.float32, 1)
+        check_array("scales", scales, np.float32, 1)
         if scales.shape != (wq.shape[0],):
             raise ValueError(f"scales: shape {scales.shape}, expected ({wq.shape[0]},)")
     if bias is not None:
-        _check_array("bias", bias, np.float32, 1)
+        check_array("bias", bias, np.float32, 1)
         if bias.shape != (wq.shape[0],):
             raise ValueError(f"bias: shape {bias.shape}, expected ({wq.shape[0]},)")
-
-
-def _check_array(name: str, a: np.ndarray, dtype: type, ndim: int) -> None:
-    if isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == ndim \
-            and a.flags.c_contiguous:
-        return
-    if isinstance(a, np.ndarray):
-        got = f"{a.dtype} {a.shape}" + ("" if a.flags.c_contiguous else ", not C-contiguous")
-    else:
-        got = type(a).__name__
-    raise ValueError(f"{name}: expected a C-contiguous {np.dtype(dtype)} array of {ndim} "
-                     f"dimensions, got {got}")
 
 
 def _add_bias(y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:

@@ -14,6 +14,7 @@ import numba
 import numpy as np
 import pytest
 
+from kvserve.cpu import parallel as cpu_parallel
 from kvserve.cpu import quant_kernels as qk
 from kvserve.cpu import quant_ops as qo
 
@@ -198,7 +199,7 @@ def test_parallel_path_equals_the_serial_one(linear, m, n, loop_order, monkeypat
     before = numba.get_num_threads()
     try:
         serial = linear(x, wq, scales, num_threads=1)
-        monkeypatch.setattr(qo, "PARALLEL_MIN_MACS", 0)
+        monkeypatch.setattr(cpu_parallel, "PARALLEL_MIN_MACS", 0)
         parallel = linear(x, wq, scales, num_threads=2)
     finally:
         numba.set_num_threads(before)

@@ -1,5 +1,10 @@
-"""CUDA backend ops (kvserve.cuda.ops.CudaOps) against independent float64 NumPy
-references written here (dense attention over the gathered context, etc.).
+"""What only the CUDA backend's ops (kvserve.cuda.ops.CudaOps) do, against
+float64 NumPy references (``tests/backends/ops_references.py``): the routes of
+paged attention (split-K decode partitions, the prefill kernel and its
+tiles), the int8 GEMV and tiled kernels called directly, the refusal of
+operands the kernels cannot take (ValueError naming them), the
+constructor's limits and the warm-up. What every backend must do is the
+conformance suite's, ``tests/backends/test_ops_conformance.py``.
 
 Runs under Numba's CUDA simulator on a machine without a GPU (see conftest.py),
 where each CUDA thread is a Python thread: the shapes are tiny and the
@@ -19,19 +24,23 @@ Tolerances (relative error: max |out - ref| / max |ref|):
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from kvserve.cuda import kernels
-from kvserve.cuda.ops import CudaOps
-from kvserve.model.ops import build_rope_cache
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))  # the references
+
+from ops_references import BS, HD, paged_batch, reference_attention, rel_err  # noqa: E402
+
+from kvserve.cuda import kernels  # noqa: E402
+from kvserve.cuda.ops import CudaOps  # noqa: E402
+from kvserve.model.ops import build_rope_cache  # noqa: E402
 
 F32_REL = 1e-5
 F16_REL = 2.0**-11 + F32_REL
-REL = {np.float32: F32_REL, np.float16: F16_REL}
 DTYPES = [np.float32, np.float16]
-BS = 4  # KV block size (tokens)
-HD = 8  # head dim
 PARTITION = 4  # split-K partition size (keys)
 
 
@@ -39,76 +48,24 @@ def make_ops(dtype=np.float32, **kw) -> CudaOps:
     return CudaOps(dtype=dtype, partition_size=kw.pop("partition_size", PARTITION), **kw)
 
 
-def rel_err(out, ref) -> float:
-    ref = np.asarray(ref, np.float64)
-    if ref.size == 0:
-        return 0.0
-    return float(np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max())
-
-
-def rounded(a: np.ndarray, dtype) -> np.ndarray:
-    """``a`` as the backend stores it (rounded to ``dtype``), back in float64."""
-    return np.asarray(a, dtype=dtype).astype(np.float64)
-
-
 # --------------------------------------------------------------------------- #
 # paged attention
 # --------------------------------------------------------------------------- #
-
-
-def paged_batch(rng, seqs, nkv, group, dtype, pad_tokens=0):
-    """A paged batch of ``seqs`` = [(cached, n_new), ...] on host arrays.
-
-    Every sequence's K/V sit in shuffled physical blocks; every other slot of
-    the cache is NaN, so reading outside a context shows in the output.
-    Returns (q, cache, block_tables, seq_lens, query_start_loc, dense K/V per
-    sequence as float64 of the stored values).
-    """
-    blocks = [-(-(c + n) // BS) for c, n in seqs]
-    num_blocks = sum(blocks) + 2
-    perm = rng.permutation(num_blocks).astype(np.int32)
-    cache = np.full((num_blocks, 2, BS, nkv, HD), np.nan, dtype)
-    bt = np.full((len(seqs), max(blocks) + 1), -1, np.int32)
-    dense, used = [], 0
-    for s, ((c, n), nb) in enumerate(zip(seqs, blocks, strict=True)):
-        bt[s, :nb] = perm[used:used + nb]
-        used += nb
-        pos = np.arange(c + n)
-        kv = rng.standard_normal((2, c + n, nkv, HD)).astype(dtype)
-        cache[bt[s, pos // BS], :, pos % BS] = kv.transpose(1, 0, 2, 3)
-        dense.append(kv.astype(np.float64))
-    qsl = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
-    q = rng.standard_normal((int(qsl[-1]) + pad_tokens, nkv * group, HD)).astype(dtype)
-    seq_lens = np.array([c + n for c, n in seqs], np.int32)
-    return q, cache, bt, seq_lens, qsl, dense
-
-
-def reference_attention(q, seqs, qsl, dense, group, scale):
-    """Dense causal float64 attention; rows of unowned tokens are zero."""
-    q = q.astype(np.float64)
-    out = np.zeros_like(q)
-    for s, (c, n) in enumerate(seqs):
-        k, v = dense[s]
-        for i in range(n):
-            pos, t = c + i, qsl[s] + i
-            for h in range(q.shape[1]):
-                logits = k[:pos + 1, h // group] @ q[t, h] * scale
-                w = np.exp(logits - logits.max())
-                out[t, h] = w @ v[:pos + 1, h // group] / w.sum()
-    return out
 
 
 def run_attention(seqs, nkv=2, group=1, dtype=np.float32, pad_tokens=0, seed=0, **ops_kw):
     """Relative error of CudaOps.paged_attention against the dense reference."""
     ops = make_ops(dtype, **ops_kw)
     rng = np.random.default_rng(seed)
-    q, cache, bt, sl, qsl, dense = paged_batch(rng, seqs, nkv, group, dtype, pad_tokens)
+    q, cache, bt, sl, qsl, dense = paged_batch(rng, seqs, nkv, group, pad_tokens)
     to = ops.to_device
     out = ops.to_numpy(ops.paged_attention(to(q), to(cache), to(bt), to(sl), to(qsl), HD ** -0.5))
     assert out.dtype == dtype and out.shape == q.shape
     assert not np.isnan(out).any()
     assert not out[int(qsl[-1]):].any()  # padding rows
-    return rel_err(out, reference_attention(q, seqs, qsl, dense, group, HD ** -0.5))
+    stored = [np.asarray(kv, dtype).astype(np.float64) for kv in dense]
+    ref = reference_attention(np.asarray(q, dtype), seqs, qsl, stored, HD ** -0.5)
+    return rel_err(out, ref)
 
 
 #: Routes: "decode" = one new token per sequence goes to the split-K kernels,
@@ -149,134 +106,6 @@ def test_paged_attention_gqa(nkv, group, route):
     """Query head h reads KV head h // group (two KV heads, so that h % nkv or
     a single shared head would show); a decode over 2 partitions and a chunk."""
     assert run_attention([(6, 1), (3, 3)], nkv=nkv, group=group, **ROUTES[route]) < F32_REL
-
-
-def test_paged_attention_no_sequences_and_unowned_rows():
-    ops = make_ops()
-    to = ops.to_device
-    q = to(np.ones((3, 2, HD), np.float32))
-    cache = ops.allocate_kv_cache(2, BS, 1, HD)
-    out = ops.paged_attention(q, cache, to(np.zeros((0, 1), np.int32)),
-                              to(np.zeros(0, np.int32)), to(np.zeros(1, np.int32)), 1.0)
-    assert not ops.to_numpy(out).any()
-
-
-# --------------------------------------------------------------------------- #
-# KV cache writes
-# --------------------------------------------------------------------------- #
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_write_kv_scatters_by_slot_and_skips_negative(dtype):
-    ops = make_ops(dtype)
-    rng = np.random.default_rng(1)
-    nkv = 2
-    qkv = rng.standard_normal((5, 3 * nkv * HD)).astype(dtype)  # fused projection output
-    k = qkv[:, : nkv * HD].reshape(5, nkv, HD)  # views: token stride 3 * nkv * HD
-    v = qkv[:, 2 * nkv * HD:].reshape(5, nkv, HD)
-    slots = np.array([5, -1, 0, 11, -7], np.int64)
-    to = ops.to_device
-    cache = ops.allocate_kv_cache(3, BS, nkv, HD)
-    d_qkv = to(qkv)
-    ops.write_kv(d_qkv[:, : nkv * HD].reshape(5, nkv, HD),
-                 d_qkv[:, 2 * nkv * HD:].reshape(5, nkv, HD), cache, to(slots))
-    expected = np.zeros((3, 2, BS, nkv, HD), dtype)
-    for t, slot in enumerate(slots):
-        if slot >= 0:
-            expected[slot // BS, 0, slot % BS] = k[t]
-            expected[slot // BS, 1, slot % BS] = v[t]
-    np.testing.assert_array_equal(ops.to_numpy(cache), expected)
-
-
-# --------------------------------------------------------------------------- #
-# dense ops
-# --------------------------------------------------------------------------- #
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_embedding_gathers_rows(dtype):
-    ops = make_ops(dtype)
-    table = np.random.default_rng(2).standard_normal((11, 6)).astype(dtype)
-    ids = np.array([3, 0, 10, 3], np.int64)
-    out = ops.to_numpy(ops.embedding(ops.to_device(ids), ops.to_device(table)))
-    np.testing.assert_array_equal(out, table[ids])
-
-
-def ref_rms_norm(x, w, eps):
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm(dtype):
-    ops = make_ops(dtype)
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((3, 20)).astype(dtype)
-    w = rng.standard_normal(20).astype(dtype)
-    out = ops.to_numpy(ops.rms_norm(ops.to_device(x), ops.to_device(w), 1e-3))
-    assert out.dtype == dtype
-    assert rel_err(out, ref_rms_norm(rounded(x, dtype), rounded(w, dtype), 1e-3)) < REL[dtype]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_add_rms_norm_in_place(dtype):
-    """vLLM convention: residual += x, then x = rms_norm(residual); the variance
-    comes from the float32 sum, the normalization reads the stored residual."""
-    ops = make_ops(dtype)
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((3, 20)).astype(dtype)
-    r = rng.standard_normal((3, 20)).astype(dtype)
-    w = rng.standard_normal(20).astype(dtype)
-    dx, dr = ops.to_device(x), ops.to_device(r)
-    ops.fused_add_rms_norm(dx, dr, ops.to_device(w), 1e-3)
-    total = rounded(x, dtype) + rounded(r, dtype)
-    stored = rounded(total, dtype)
-    ref_x = stored / np.sqrt((total**2).mean(-1, keepdims=True) + 1e-3) * rounded(w, dtype)
-    np.testing.assert_array_equal(ops.to_numpy(dr), stored.astype(dtype))  # one rounding
-    assert rel_err(ops.to_numpy(dx), ref_x) < REL[dtype]
-
-
-def ref_rope(x, positions, table):
-    """HF apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, float64."""
-    half = x.shape[-1] // 2
-    cos = table[positions, :half].astype(np.float64)[:, None, :]
-    sin = table[positions, half:].astype(np.float64)[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_embedding_in_place(dtype):
-    ops = make_ops(dtype)
-    rng = np.random.default_rng(5)
-    positions = np.array([0, 7, 3, 15], np.int64)
-    table = build_rope_cache(HD, 16, 500.0)
-    q = rng.standard_normal((4, 3 * HD)).astype(dtype)  # [T, nh*hd]
-    k = rng.standard_normal((4, 1, HD)).astype(dtype)  # [T, nkv, hd]
-    dq, dk = ops.to_device(q), ops.to_device(k)
-    ops.rotary_embedding(ops.to_device(positions), dq, dk, ops.to_device(table), HD)
-    ref_q = ref_rope(rounded(q, dtype).reshape(4, 3, HD), positions, rounded(table, dtype))
-    ref_k = ref_rope(rounded(k, dtype), positions, rounded(table, dtype))
-    assert rel_err(ops.to_numpy(dq).reshape(4, 3, HD), ref_q) < REL[dtype]
-    assert rel_err(ops.to_numpy(dk), ref_k) < REL[dtype]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype):
-    ops = make_ops(dtype)
-    x = np.random.default_rng(6).standard_normal((3, 2 * 9)).astype(dtype) * 3
-    a, b = rounded(x, dtype)[:, :9], rounded(x, dtype)[:, 9:]
-    out = ops.to_numpy(ops.silu_and_mul(ops.to_device(x)))
-    assert out.shape == (3, 9) and rel_err(out, a / (1 + np.exp(-a)) * b) < REL[dtype]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_dense(dtype):
-    ops = make_ops(dtype)
-    rng = np.random.default_rng(7)
-    x, w, b = (rng.standard_normal(s).astype(dtype) for s in ((5, 12), (7, 12), (7,)))
-    out = ops.to_numpy(ops.linear(*map(ops.to_device, (x, w, b))))
-    ref = rounded(x, dtype) @ rounded(w, dtype).T + rounded(b, dtype)
-    assert out.dtype == dtype and rel_err(out, ref) < REL[dtype]
 
 
 # --------------------------------------------------------------------------- #
