@@ -14,12 +14,13 @@ $(VENV)/.created:
 	$(PY) -m pip install --upgrade pip
 	touch $@
 
-## The server alone: only what serving needs.
+## The server alone: only what serving one engine needs (no Ray, no bench tools).
 $(VENV)/.installed-serve: pyproject.toml $(VENV)/.created
 	$(PY) -m pip install -e .
 	touch $@
 
-## Everything: the server, the bench extra (httpx, tqdm, matplotlib) and the test tools.
+## Everything: the server, the bench extra (httpx, tqdm, matplotlib), the distributed
+## extra (Ray: data parallelism) and the test tools.
 $(VENV)/.installed: pyproject.toml $(VENV)/.created
 	$(PY) -m pip install -e '.[test]'
 	touch $@

@@ -13,6 +13,12 @@ from pathlib import Path  # noqa: E402
 
 import pytest
 
+from kvserve.thread_env import apply_thread_pool_env  # noqa: E402
+
+# Before NumPy and Numba's OpenMP layer load: the thread pools' spin limits
+# that the kvserve command sets (import kvserve no longer does).
+apply_thread_pool_env()
+
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:

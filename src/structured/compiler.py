@@ -103,9 +103,12 @@ class ConstraintCompiler:
         vocab_size: rows of the LM head (the logits' width), >= the tokenizer's.
         eos_token_ids: the tokens that end a sequence.
         config: the limits (``StructuredOutputsConfig``).
-        tokenizer: llguidance's tokenizer of this checkpoint, loaded before
-            serving (``grammar.load_tokenizer`` holds the GIL for ~0.5 s);
-            None: loaded by the first compile, stalling the process that long.
+        tokenizer: llguidance's tokenizer of this checkpoint, or None: the
+            first compile loads it on the builder thread
+            (``grammar.load_tokenizer``, which holds the GIL for ~0.5 s once,
+            a pause the other requests' streams see; the engine accepts it
+            so that a server that never sees a constraint never loads
+            llguidance, as vLLM does).
 
     Use from one event loop. The child and the builder thread start with the
     first constrained request, so a server that never sees a constraint

@@ -12,6 +12,10 @@ inside a JSON value can emit newlines until ``max_tokens``.
 
 These functions are the work itself, with no bound on its cost: the engine
 runs them through ``kvserve.structured.compiler``, which bounds it.
+
+llguidance is imported by the functions that use it, not by this module:
+the API and the engine import this module (``JSON_OPTIONS``, ``GrammarError``)
+on every serving path, constrained or not (``tests/test_serving_imports.py``).
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ import json
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-
-import llguidance
+from typing import TYPE_CHECKING
 
 from kvserve.core.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import llguidance
 
 #: llguidance's JSON options for every schema (see the module docstring).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -53,6 +59,8 @@ def load_tokenizer(tokenizer_json: str | Path, vocab_size: int,
     other thread, the event loop and the step's included, that long.
     Raises ``ValueError`` when llguidance cannot read the file.
     """
+    import llguidance
+
     return llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size,
                                   eos_token=list(eos_token_ids))
 
@@ -62,6 +70,8 @@ def parser_limits() -> llguidance.LLParserLimits:
     (lexer fuel 1,000,000; 250,000 lexer states; a grammar of 500,000
     symbols; 2,000 items in a row; 50,000 Earley items a step), with
     ``verbose_errors`` off so an error names the fault, not the grammar."""
+    import llguidance
+
     return llguidance.LLParserLimits(verbose_errors=False)
 
 
@@ -85,6 +95,8 @@ def to_grammar(params: StructuredOutputsParams) -> str:
 
 @lru_cache(maxsize=256)
 def _compile(params: StructuredOutputsParams) -> str:
+    import llguidance
+
     kind = params.kind
     try:
         if kind in ("json", "json_object"):
@@ -112,6 +124,8 @@ def build_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance
     llguidance drops the GIL meanwhile. Raises ``GrammarError`` when the
     matcher starts in error (a grammar over a limit).
     """
+    import llguidance
+
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
     if matcher.is_error():
         raise GrammarError(matcher.get_error())

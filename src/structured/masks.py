@@ -8,6 +8,10 @@ disallowed tokens get -inf, so unconstrained rows cost nothing), and feeds
 each sampled token back (``accept``). A mask is a bitmask, int32[W] with
 W = ceil(vocab / 32), bit ``t % 32`` of word ``t // 32`` set when token t
 is allowed (llguidance's layout, as in xgrammar and vLLM).
+
+llguidance, its executor and the mask thread come with the first
+constrained request, not with this module or a ``StructuredOutputs``, which
+every engine builds (``tests/test_serving_imports.py``).
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.numpy as llg_np
 import numpy as np
 import structlog
 
 from kvserve.core.structured_outputs import StructuredOutputsParams
 from kvserve.structured.grammar import load_tokenizer, to_grammar
+
+if TYPE_CHECKING:
+    import llguidance
 
 log = structlog.get_logger("kvserve.structured")
 
@@ -48,8 +54,8 @@ class StructuredOutputs:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self.vocab_size = vocab_size
         self.matchers: dict[str, llguidance.LLMatcher] = {}
-        self._executor = llguidance.LLExecutor(num_threads=1)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-masks")
+        self._executor: llguidance.LLExecutor | None = None  # made by the first fill
+        self._pool: ThreadPoolExecutor | None = None
 
     def add(self, request_id: str, params: StructuredOutputsParams,
             output_token_ids: Sequence[int] = ()) -> None:
@@ -65,7 +71,9 @@ class StructuredOutputs:
         else:
             if self._tokenizer is None:
                 self._tokenizer = load_tokenizer(*self._tokenizer_args)
-            matcher = llguidance.LLMatcher(self._tokenizer, to_grammar(params), log_level=0)
+            from llguidance import LLMatcher
+
+            matcher = LLMatcher(self._tokenizer, to_grammar(params), log_level=0)
         if output_token_ids and not matcher.consume_tokens(list(output_token_ids)):
             log.warning("structured_replay_failed", request_id=request_id,
                         error=matcher.get_error())
@@ -81,9 +89,16 @@ class StructuredOutputs:
 
     def fill(self, rows: Sequence[tuple[int, str]]) -> Future[np.ndarray]:
         """Start computing the masks of ``rows``: a future of int32[len(rows), W]."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-masks")
         return self._pool.submit(self._fill, [rid for _, rid in rows])
 
     def _fill(self, request_ids: list[str]) -> np.ndarray:
+        import llguidance
+        import llguidance.numpy as llg_np
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(num_threads=1)
         bitmask = llg_np.allocate_token_bitmask(len(request_ids), self.vocab_size)
         llg_np.fill_next_token_bitmask_par(
             self._executor, [(self.matchers[rid], i) for i, rid in enumerate(request_ids)],
@@ -117,4 +132,5 @@ class StructuredOutputs:
 
     def close(self) -> None:
         """Stop the helper thread."""
-        self._pool.shutdown(wait=False)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
