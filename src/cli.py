@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import re
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 from kvserve.config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineConfig,
                             SchedulerConfig, ServerConfig, SpeculativeConfig,
                             StructuredOutputsConfig, parse_size)
+from kvserve.thread_env import apply_thread_pool_env
 
 
 def _positive(kind: type, allow_zero: bool = False) -> Callable[[str], int | float]:
@@ -314,7 +316,6 @@ async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     from kvserve.metrics import ServerMetrics, metrics_route
 
     api_key = resolve_api_key(args, os.environ)  # before minutes of loading, not after
-    _resolve_replica_roles(args)
     _require_model_folder(engine_config.model)
     if args.data_parallel_size > 1:
         engine = await _start_replicas(args, engine_config)
@@ -450,6 +451,23 @@ def _resolve_replica_roles(args: argparse.Namespace) -> None:
     if spec is not None and spec.uses_draft_model:
         _die("a draft model keeps its own KV cache, which a prefill replica does not hand "
              "over: use --prefill-replicas or a draft model, not both")
+
+
+#: What ``--data-parallel-size`` and disaggregated prefill/decode need, and
+#: where it comes from (Ray is no serving dependency of one engine).
+DISTRIBUTED_EXTRA = "pip install 'kvserve[distributed]'"
+
+
+def _check_replica_flags(args: argparse.Namespace) -> None:
+    """Before anything loads: settle the replica roles (``_resolve_replica_roles``)
+    and, when they ask for more than one engine, ``_die`` with the command
+    that installs Ray if it is not installed (found without importing it)."""
+    _resolve_replica_roles(args)
+    if args.data_parallel_size > 1 and importlib.util.find_spec("ray") is None:
+        flags = ("--prefill-replicas/--decode-replicas" if args.prefill_replicas
+                 else f"--data-parallel-size {args.data_parallel_size}")
+        _die(f"{flags} runs engine replicas on Ray, which is not installed: "
+             f"{DISTRIBUTED_EXTRA}")
 
 
 async def _start_replicas(args: argparse.Namespace, config: EngineConfig):
@@ -588,6 +606,7 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvserve`` command; returns the exit status."""
+    apply_thread_pool_env()  # before anything loads NumPy (build_parser does)
     parser = build_parser()
     args = parser.parse_args(argv)
     from kvserve.log import configure_logging
@@ -597,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
         from kvserve.model.default_model import ensure_default_model
         print(ensure_default_model())
     elif args.command in ("serve", "generate"):
+        if args.command == "serve":
+            _check_replica_flags(args)
         from kvserve.model.backend import BackendUnavailable
         try:
             config = engine_config_from_args(args)

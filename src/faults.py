@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 #: Actors ``kill_actor`` may name (``kvserve.actors.*.name``).
-ACTOR_NAMES = ("tokenizer", "admission", "scheduler", "worker", "detokenizer")
+ACTOR_NAMES = ("tokenizer", "admission", "scheduler", "worker", "detokenizer", "stats")
 
 
 class InjectedFault(RuntimeError):
@@ -120,6 +120,15 @@ class FaultyRunner:
         step = scheduler_output.step_id
         self._failing = (step, ids) if self.faults.step_fails(step, ids) else None
         return self.runner.execute(scheduler_output)
+
+    @property
+    def kv_connector(self) -> Any:
+        """The wrapped runner's KV connector (the worker may set it)."""
+        return self.runner.kv_connector
+
+    @kv_connector.setter
+    def kv_connector(self, connector: Any) -> None:
+        self.runner.kv_connector = connector
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)

@@ -1,7 +1,7 @@
 """The engine's observer: request lifecycle logs, step logs, periodic stats and metrics.
 
-The scheduler actor calls the ``on_*`` hooks (all on the event loop, so no
-locking); this class keeps the ``RequestTimeline`` of every live sequence
+The stats actor (``kvserve.actors.stats``) calls the ``on_*`` hooks as the
+other actors' reports arrive (all on the event loop, so no locking); this class keeps the ``RequestTimeline`` of every live sequence
 (``kvserve.core.stats``), writes the structured log events and feeds
 ``EngineMetrics``. Log events (structlog, one JSON object per line):
 
@@ -75,9 +75,11 @@ class StatsObserver:
                       request_class=request_class, n=n, stream=stream, **fields)
 
     def on_queued(self, request_id: str, parent_id: str, arrival_time: float,
-                  prompt_tokens: int, priority: int, request_class: str | None) -> None:
-        """``request_queued``: admission added it to the waiting queue."""
-        now = time.monotonic()
+                  prompt_tokens: int, priority: int, request_class: str | None,
+                  now: float | None = None) -> None:
+        """``request_queued``: admission added it to the waiting queue (at
+        ``now``, monotonic seconds; the present when None)."""
+        now = time.monotonic() if now is None else now
         n, stream = self._received.get(parent_id, (1, None))
         if request_id == parent_id or request_id.endswith(f"-{n - 1}"):  # last sample
             self._received.pop(parent_id, None)
@@ -95,9 +97,10 @@ class StatsObserver:
     # ---------------------------------------------------------- scheduling
 
     def on_schedule(self, output: SchedulerOutput, num_running: int, num_waiting: int,
-                    kv_usage: float) -> None:
-        """A ``schedule()`` returned: first schedulings, preemptions, prefix cache."""
-        now = time.monotonic()
+                    kv_usage: float, now: float | None = None) -> None:
+        """A ``schedule()`` returned (at ``now``, monotonic seconds; the
+        present when None): first schedulings, preemptions, prefix cache."""
+        now = time.monotonic() if now is None else now
         for request_id in output.first_scheduled_request_ids:
             timeline = self.tracker.get(request_id)
             if timeline is None or not timeline.scheduled(now):
@@ -183,10 +186,12 @@ class StatsObserver:
 
     # -------------------------------------------------------------- tokens
 
-    def on_update(self, update: RequestUpdate, emitted: bool = True) -> None:
+    def on_update(self, update: RequestUpdate, emitted: bool = True,
+                  now: float | None = None) -> None:
         """The scheduler emitted ``update`` (a ``TokenDelta``), or finished it
-        without emitting (``emitted=False``: a stop string the detokenizer found)."""
-        now = time.monotonic()
+        without emitting (``emitted=False``: a stop string the detokenizer
+        found), at ``now`` (monotonic seconds; the present when None)."""
+        now = time.monotonic() if now is None else now
         timeline = self.tracker.get(update.request_id)
         if timeline is None:
             return

@@ -1175,8 +1175,12 @@ COUNTER_FIELDS = ("launches", "h2d", "d2h")
 
 
 class StepRecorder:
-    """Wraps ``engine.observer.on_step`` (the scheduler actor's call after each
-    step) to keep every step and the ops' counters read at that moment."""
+    """Keeps every step and the ops' counters read the moment it ended.
+
+    The counters are read in the worker's thread right after the runner's
+    ``execute`` (with async scheduling the next step may start before the
+    stats actor hears of this one); the step's timings come from the stats
+    actor's ``observer.on_step``, matched by step id."""
 
     def __init__(self, engine: Any) -> None:
         self.steps: list[StepRecord] = []
@@ -1184,14 +1188,26 @@ class StepRecorder:
         counters = getattr(self.ops, "counters", None)
         self.missing = [f"{type(self.ops).__name__}.counters.{f}" for f in COUNTER_FIELDS
                         if not isinstance(getattr(counters, f, None), int | np.integer)]
-        observer, original = engine.observer, engine.observer.on_step
+        self._counters: dict[int, tuple[int, int, int] | None] = {}
+        runner = engine.core.runner
+        execute = runner.execute
+
+        def recording_execute(output: Any) -> Any:
+            result = execute(output)
+            self._counters[output.step_id] = self.read()
+            return result
+        runner.execute = recording_execute
+        stats = getattr(engine, "stats", None)
+        observer = stats.observer if stats is not None else engine.observer
+        original = observer.on_step
 
         def on_step(output: Any, start: float, end: float, times: Any = None) -> Any:
             step = original(output, start, end, times)
             self.steps.append(StepRecord(
                 output.step_id, step.seconds, end, step.times.as_dict(), step.batch_size,
                 step.num_prefill_tokens,
-                sum(r.start_position + r.num_tokens for r in output.scheduled), self.read()))
+                sum(r.start_position + r.num_tokens for r in output.scheduled),
+                self._counters.pop(output.step_id, None)))
             return step
         observer.on_step = on_step
 

@@ -81,7 +81,7 @@ async def run_scenario(name: str, model: str, out: Path, stats_interval: float,
     rng = random.Random(seed)
     try:
         await _consume(engine, _request("warmup", 32, 4, rng, None))
-        engine.log_stats(force=True)  # start a fresh interval
+        await engine.log_stats(force=True)  # start a fresh interval
         with open(out, "w", encoding="utf-8") as handle:
             configure_logging("json", "info", stream=handle)
             t0 = time.monotonic()
@@ -95,7 +95,7 @@ async def run_scenario(name: str, model: str, out: Path, stats_interval: float,
 
             await asyncio.gather(*(one(i, n) for i, n in enumerate(spec["prompts"])))
             elapsed = time.monotonic() - t0
-            engine.log_stats(force=True)
+            await engine.log_stats(force=True)
             await engine.shutdown()
             engine = None
     finally:

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import time
 
-from kvserve.actors.base import Actor
+from kvserve.actors.base import Actor, Mailbox
 from kvserve.actors.messages import (
     AbortRequest,
     CapacityReport,
+    Deliver,
     ReleaseRequests,
     RequestAccepted,
     RequestFailed,
+    RequestQueued,
+    RequestsUpdated,
     TokenDelta,
     TokenizedRequest,
 )
-from kvserve.actors.registry import StreamRegistry
 from kvserve.core.admission_queue import AdmissionLimits, AdmissionQueue, SchedulerCapacity
 from kvserve.core.drain_rate import DrainRate
 from kvserve.core.outputs import RequestUpdate
@@ -66,22 +68,25 @@ class AdmissionActor(Actor):
     not seen finished, so an abort that misses a request in transit between
     the two actors still finds it.
 
+    Its answers to the client (the acceptance, a refusal) go to the
+    detokenizer as ``Deliver``; its queue's events to the stats actor.
+
     Args:
-        streams: the open client streams.
-        scheduler: the ``SchedulerActor``; detokenizer: the ``DetokenizerActor``.
+        scheduler, detokenizer, stats: the peers' mailboxes.
         queue: the admission queue (policy, limits, block arithmetic).
         eos_token_ids, max_model_len: given to each ``Request`` it creates.
     """
 
     name = "admission"
+    accepts = (TokenizedRequest, CapacityReport, AbortRequest)
 
-    def __init__(self, streams: StreamRegistry, scheduler: Actor, detokenizer: Actor,
+    def __init__(self, scheduler: Mailbox, detokenizer: Mailbox, stats: Mailbox,
                  queue: AdmissionQueue, eos_token_ids: tuple[int, ...] = (),
-                 max_model_len: int | None = None) -> None:
-        super().__init__()
-        self.streams = streams
+                 max_model_len: int | None = None, inbox: Mailbox | None = None) -> None:
+        super().__init__(inbox)
         self.scheduler = scheduler
         self.detokenizer = detokenizer
+        self.stats = stats
         self.queue = queue
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -90,8 +95,7 @@ class AdmissionActor(Actor):
         self.released: set[str] = set()  # released, not seen finished or returned
         self._sent_waiting = 0  # the queue length the scheduler last heard
         self.abort_pending: dict[str, str] = {}  # released id -> abort reason, forwarded
-        #: Lifecycle logs and metrics (``kvserve.stats_logger``); set by the engine.
-        self.observer = None
+        self._refused: set[str] = set()  # refused requests whose later samples still come
 
     async def handle(self, message) -> None:
         if isinstance(message, TokenizedRequest):
@@ -117,18 +121,23 @@ class AdmissionActor(Actor):
     # ------------------------------------------------------------- arrivals
 
     def _admit(self, message: TokenizedRequest) -> None:
-        if not self.streams.is_open(message.parent_id):
-            return  # the client left (or the request was refused) meanwhile
+        parent, last = message.parent_id, message.index == message.num_samples - 1
+        if parent in self._refused:  # a later sample of a refused request
+            if last:
+                self._refused.discard(parent)
+            return
         if message.index == 0:
-            n = self.streams.num_samples(message.parent_id)
-            failed = refusal(self.queue, message, n, self.drain, time.monotonic())
+            failed = refusal(self.queue, message, message.num_samples, self.drain,
+                             time.monotonic())
             if failed is not None:
-                self.log.info("request_rejected", request_id=message.parent_id,
+                self.log.info("request_rejected", request_id=parent,
                               status=failed.status, reason=failed.message)
-                self.streams.fail(failed)
+                self.detokenizer.send(Deliver(parent, failed))
+                if not last:
+                    self._refused.add(parent)
                 return
-            self.streams.put(message.parent_id,
-                             RequestAccepted(message.parent_id, message.prompt_token_ids))
+            self.detokenizer.send(Deliver(parent, RequestAccepted(parent,
+                                                                  message.prompt_token_ids)))
         self.detokenizer.send(message)
         self.queue.add(Request(message.request_id, message.prompt_token_ids,
                                message.sampling_params, arrival_time=message.arrival_time,
@@ -138,13 +147,10 @@ class AdmissionActor(Actor):
         self._release(answer=False)
 
     def _queued(self, message: TokenizedRequest) -> None:
-        if self.observer is not None:
-            self.observer.on_queued(message.request_id, message.parent_id, message.arrival_time,
-                                    len(message.prompt_token_ids), message.priority,
-                                    message.request_class)
-        else:
-            self.log.debug("request_queued", request_id=message.request_id,
-                           prompt_tokens=len(message.prompt_token_ids), priority=message.priority)
+        self.stats.send(RequestQueued(message.request_id, message.parent_id,
+                                      message.arrival_time, len(message.prompt_token_ids),
+                                      message.priority, message.request_class,
+                                      time.monotonic()))
 
     # ------------------------------------------------------------- releases
 
@@ -208,6 +214,5 @@ class AdmissionActor(Actor):
                 finish_reason=str(update.finish_reason),
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=max(request.num_cached_tokens, 0)))
-        if self.observer is not None:
-            self.observer.on_update(update, emitted=reason != "stop")
+        self.stats.send(RequestsUpdated(((update, reason != "stop"),), time.monotonic()))
 

@@ -7,10 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.actors.base import Actor
-from kvserve.actors.messages import (AbortRequest, RequestFailed, RequestOutput, TokenDelta,
-                                     TokenizedRequest)
+from kvserve.actors.base import Actor, Mailbox
+from kvserve.actors.messages import (AbortRequest, CloseStream, Deliver, OpenStream,
+                                     RequestFailed, RequestOutput, TokenDelta, TokenizedRequest)
 from kvserve.actors.registry import StreamRegistry, child_request_ids
+from kvserve.actors.stream import RequestStream
 from kvserve.core.detokenize import IncrementalDetokenizer
 
 
@@ -68,35 +69,59 @@ class _Sample:
 
 
 class DetokenizerActor(Actor):
-    """Keeps one ``IncrementalDetokenizer`` per sample; finds stop strings.
+    """Writes the clients' streams, and only it does; keeps one
+    ``IncrementalDetokenizer`` per sample and finds stop strings.
+
+    Inbox: ``OpenStream`` (the engine opened a request's stream), ``Deliver``
+    (an acceptance, refusal, timeout or shutdown for an open stream),
+    ``CloseStream`` (the client left), ``TokenizedRequest`` (a sample to
+    detokenize) and ``TokenDelta`` (a sample's new tokens).
 
     When a stop string matches, the sample finishes here with
-    ``finish_reason="stop"`` and an ``AbortRequest(reason="stop")`` tells the
-    scheduler to free its blocks.
+    ``finish_reason="stop"`` and an ``AbortRequest(reason="stop")`` tells
+    admission (then the scheduler) to free its blocks.
 
     Tokens (with their logprobs and text offsets) go out with the output
     whose text holds their first character, so a streamed chunk's tokens
     describe that chunk's text; tokens whose text is still held back (a
     partial UTF-8 character, a possible stop string) wait, and the last
     output carries all that remain.
+
+    Args:
+        tokenizer: decodes token ids.
+        admission: the admission actor's mailbox (aborts of stopped samples
+            and of a failed sample's siblings).
+        on_closed: called with a request id and its stream when the stream
+            closes (ended, failed or closed by the engine), so the engine
+            frees the id.
     """
 
     name = "detokenizer"
+    accepts = (OpenStream, Deliver, CloseStream, TokenizedRequest, TokenDelta)
 
-    def __init__(self, tokenizer, streams: StreamRegistry) -> None:
-        super().__init__()
+    def __init__(self, tokenizer, admission: Mailbox,
+                 on_closed: Callable[[str, RequestStream], None] | None = None,
+                 inbox: Mailbox | None = None) -> None:
+        super().__init__(inbox)
         self.tokenizer = tokenizer
-        self.streams = streams
-        self.admission: Actor | None = None  # gets AbortRequests (stop strings, failed siblings)
+        self.admission = admission
+        self.streams = StreamRegistry()
+        self.streams.on_close = on_closed
         self._samples: dict[str, _Sample] = {}
         self._token_bytes = token_bytes_of(tokenizer)
         self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
-    async def handle(self, message: TokenizedRequest | TokenDelta) -> None:
-        if isinstance(message, TokenizedRequest):
-            self._register(message)
-        else:
+    async def handle(self, message) -> None:
+        if isinstance(message, TokenDelta):
             self._on_delta(message)
+        elif isinstance(message, TokenizedRequest):
+            self._register(message)
+        elif isinstance(message, Deliver):
+            self.streams.put(message.request_id, message.event)
+        elif isinstance(message, OpenStream):
+            self.streams.adopt(message.request_id, message.stream)
+        elif isinstance(message, CloseStream):
+            self.streams.close(message.request_id)
 
     def _register(self, request: TokenizedRequest) -> None:
         params = request.sampling_params
@@ -136,7 +161,7 @@ class DetokenizerActor(Actor):
             # A stop string in the last allowed token wins over the length
             # limit, as in vLLM and the OpenAI API.
             _drop_tokens_after(sample, text.stop_end, len(delta.new_token_ids))
-            if finish_reason is None and self.admission is not None:
+            if finish_reason is None:
                 self.admission.send(AbortRequest((delta.request_id,), reason="stop",
                                                  num_output_tokens=(sample.num_output_tokens,)))
             finish_reason = "stop"
@@ -155,7 +180,7 @@ class DetokenizerActor(Actor):
             f"{delta.error or 'unknown error'}", type="server_error"))
         siblings = tuple(rid for rid in child_request_ids(sample.parent_id, n)
                          if rid != delta.request_id)
-        if siblings and self.admission is not None:
+        if siblings:
             self.admission.send(AbortRequest(siblings, reason="abort"))
 
     def _emit(self, sample: _Sample, delta: TokenDelta, text: str, finish_reason: str | None) -> None:

@@ -1,6 +1,6 @@
 """Typed messages: one frozen dataclass per edge between actors.
 
-Data flow (DESIGN.md section 2)::
+Data flow (DESIGN.md section 2; ``docs/architecture.md`` draws it)::
 
     API --GenerateRequest--> TokenizerActor --TokenizedRequest--> AdmissionActor
         --ReleaseRequests--> SchedulerActor --ExecuteStep--> WorkerActor
@@ -10,9 +10,21 @@ Data flow (DESIGN.md section 2)::
     SchedulerActor --CapacityReport--> AdmissionActor (free slots and blocks,
         requests handed back, requests finished)
 
-Aborts travel as ``AbortRequest`` to the admission actor (which forwards them
-to the scheduler when the request is no longer waiting there), also from the
-detokenizer when a stop string matched.
+The detokenizer alone writes client streams: the engine opens one with
+``OpenStream`` and ends it with ``CloseStream``; the tokenizer's and
+admission's refusals reach it as ``Deliver``. Aborts travel as
+``AbortRequest`` through the tokenizer (requests it is still preparing) to
+the admission actor, which forwards them to the scheduler when the request
+is no longer waiting there; the detokenizer sends one to admission when a
+stop string matched. Every statistic reaches the ``StatsActor`` as a
+message (``RequestReceived`` ... ``FlushStats``). KV blocks move in the
+worker's steps: saves, loads and exports are listed in the ``ExecuteStep``'s
+``SchedulerOutput`` and exports come back in the ``StepResult``; imports
+(``ImportBlocks``) and a tier (``AttachTier``) are sent to the worker, which
+alone holds the KV connector.
+
+Each actor's inbox takes one union of these types (its ``accepts``); a
+``Mailbox`` refuses any other at the sender.
 
 A ``Request`` object (``ReleaseRequests``, ``CapacityReport.returned``)
 changes owner with the message: the sender never touches it again.
@@ -76,6 +88,7 @@ class TokenizedRequest:
     arrival_time: float
     priority: int = 0
     request_class: str | None = None
+    num_samples: int = 1  # the parent's n
 
 
 @dataclass(frozen=True)
@@ -233,6 +246,177 @@ class HealthQuery:
     the asker bounds its wait."""
 
     reply: Any
+
+
+# --------------------------------------------------------------------------- streams
+#
+# A client's stream is written by the detokenizer alone: the engine opens it
+# there, and the other actors' answers to the client (acceptance, refusals)
+# travel to the detokenizer as these messages.
+
+
+@dataclass(frozen=True)
+class OpenStream:
+    """A request's stream, opened by the engine before the request enters
+    the tokenizer (engine -> detokenizer): every later event of request
+    ``request_id`` (``n`` samples) is written to ``stream``."""
+
+    request_id: str
+    n: int
+    stream: Any
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """An event for an open stream that no token delta carries: acceptance,
+    a refusal, a timeout or a shutdown (tokenizer, admission, engine ->
+    detokenizer). Dropped when the stream is no longer open."""
+
+    request_id: str
+    event: Any  # StreamEvent
+
+
+@dataclass(frozen=True)
+class CloseStream:
+    """The client left: forget the request's stream (engine -> detokenizer)."""
+
+    request_id: str
+
+
+# --------------------------------------------------------------------------- the worker's KV
+
+
+@dataclass(frozen=True)
+class ImportBlocks:
+    """A prefill replica's K/V for a request, kept by the worker's KV
+    connector until a step loads them (engine -> worker): its full prompt
+    blocks' ``block_hashes`` in order and ``data``
+    (``[len(block_hashes), *block_shape]``)."""
+
+    request_id: str
+    block_hashes: tuple[bytes, ...]
+    data: Any
+
+
+@dataclass(frozen=True)
+class DropImports:
+    """Imported blocks no step will load (scheduler -> worker)."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AttachTier:
+    """Use the offload tier another process created at ``path`` (engine ->
+    worker, and engine -> scheduler for its look-ups); ``reply`` (a future)
+    gets None, or the ``ValueError`` of a tier that holds another model's
+    blocks."""
+
+    path: str
+    reply: Any = None
+
+
+# --------------------------------------------------------------------------- statistics
+#
+# Lifecycle logs, metrics and the ``engine_stats`` line are the stats
+# actor's (``kvserve.actors.stats``); the others report to it. ``at`` is
+# ``time.monotonic()`` when the reported thing happened, so timings do not
+# include the message's wait in the stats actor's inbox.
+
+
+@dataclass(frozen=True)
+class RequestReceived:
+    """The API handed a request to the engine (engine -> stats)."""
+
+    request_id: str
+    arrival_time: float
+    priority: int
+    request_class: str | None
+    n: int
+    prompt: Any = None
+    log_prompts: bool = False
+    stream: bool | None = None
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class RequestQueued:
+    """A sample entered the waiting queue (admission -> stats)."""
+
+    request_id: str
+    parent_id: str
+    arrival_time: float
+    prompt_tokens: int
+    priority: int
+    request_class: str | None
+    at: float
+
+
+@dataclass(frozen=True)
+class StepScheduled:
+    """``schedule()`` returned a step (scheduler -> stats); ``num_waiting``
+    counts the waiting queue and the requests staged in the scheduler."""
+
+    output: SchedulerOutput
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    at: float
+
+
+@dataclass(frozen=True)
+class StepFinished:
+    """A step's results were emitted (scheduler -> stats): the worker's span
+    (``start``, ``end``), its phases (``times``), and the step's
+    speculative-decoding and KV-transfer counts when there are any."""
+
+    output: SchedulerOutput
+    start: float
+    end: float
+    times: Any  # core.stats.StepTimes
+    spec: Any = None  # core.spec_decode.SpecDecodingStats
+    transfer: Any = None  # distributed.kv_connector.TransferStats
+
+
+@dataclass(frozen=True)
+class RequestsUpdated:
+    """Requests' token deltas left the core, or requests finished without
+    one (scheduler, admission -> stats): ``(update, emitted)`` pairs, where
+    ``emitted`` is False for one the detokenizer already ended (a stop
+    string)."""
+
+    updates: tuple[tuple[Any, bool], ...]  # (core.outputs.RequestUpdate, emitted)
+    at: float
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """The engine's load now (scheduler -> stats): requests running, waiting
+    (in the queue and staged), KV cache usage (0..1)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+
+
+@dataclass(frozen=True)
+class StallReport:
+    """A stall reading (scheduler -> stats): seconds with work and no
+    finished step, and whether that is past ``--stall-timeout``."""
+
+    seconds: float
+    stalled: bool
+
+
+@dataclass(frozen=True)
+class FlushStats:
+    """Write an ``engine_stats`` line now (the stats actor's timer, the
+    engine's ``log_stats`` and shutdown -> stats). ``force``: even when the
+    engine was idle for two intervals; ``reply``: a future that receives the
+    line's fields (None when the line was skipped)."""
+
+    force: bool = False
+    reply: Any = None  # asyncio.Future[dict | None]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""StreamRegistry: the open client streams, shared by the actors that feed them."""
+"""StreamRegistry: the open client streams, the detokenizer actor's (it alone writes them)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ class StreamRegistry:
     def __init__(self) -> None:
         self._streams: dict[str, RequestStream] = {}
         self._internal: set[str] = set()  # ids the engine core uses for open requests
-        self.on_close: Callable[[str], None] | None = None  # called when an entry goes
+        #: Called with (request id, its stream) when an entry goes.
+        self.on_close: Callable[[str, RequestStream], None] | None = None
 
     def open(self, request_id: str, n: int) -> RequestStream:
         """Create and register a stream. Raises ``ValueError`` if the id, or
@@ -35,6 +36,14 @@ class StreamRegistry:
         self._streams[request_id] = stream
         self._internal.update(child_request_ids(request_id, n))
         return stream
+
+    def adopt(self, request_id: str, stream: RequestStream) -> None:
+        """Register a stream made elsewhere (the engine's, opened for a
+        request it accepted). Raises ``ValueError`` as ``open``."""
+        if not self.can_open(request_id, stream.n):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = stream
+        self._internal.update(child_request_ids(request_id, stream.n))
 
     def can_open(self, request_id: str, n: int) -> bool:
         """False when ``request_id`` or any internal id its ``n`` samples would
@@ -76,7 +85,7 @@ class StreamRegistry:
             return None
         self._internal.difference_update(child_request_ids(request_id, stream.n))
         if self.on_close is not None:
-            self.on_close(request_id)
+            self.on_close(request_id, stream)
         return stream
 
     def __len__(self) -> int:

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
-from kvserve.actors.base import Actor
+from kvserve.actors.base import Actor, Mailbox
 from kvserve.actors.messages import (
     AbortRequest,
     AdoptBlocks,
+    AttachTier,
     CapacityReport,
+    DropImports,
     ExecuteStep,
     HealthQuery,
+    LoadReport,
     ReleaseRequests,
+    RequestsUpdated,
+    StallReport,
+    StepFinished,
     StepResult,
+    StepScheduled,
     TokenDelta,
 )
 from kvserve.core.admission_queue import SchedulerCapacity
@@ -52,33 +61,39 @@ class SchedulerActor(Actor):
     """
 
     name = "scheduler"
+    accepts = (ReleaseRequests, AbortRequest, StepResult, AdoptBlocks, HealthQuery, AttachTier)
 
-    def __init__(self, scheduler: Scheduler, stall_timeout: float = 60.0) -> None:
-        super().__init__()
+    def __init__(self, scheduler: Scheduler, worker: Mailbox, detokenizer: Mailbox,
+                 admission: Mailbox, stats: Mailbox, stall_timeout: float = 60.0,
+                 on_kv_export: Callable[[str, Any], None] | None = None,
+                 attach_tier: Callable[[str], Any] | None = None,
+                 inbox: Mailbox | None = None) -> None:
+        super().__init__(inbox)
         self.core = scheduler
+        self.worker = worker
+        self.detokenizer = detokenizer
+        self.admission = admission
+        self.stats = stats
         #: Progress while there is work (``HealthQuery`` answers from it).
         self.stall = StallWatch(stall_timeout)
         self._stalled = False  # the last reading was past the timeout
-        self.worker: Actor | None = None
-        self.detokenizer: Actor | None = None
-        self.admission: Actor | None = None  # gets CapacityReports; set by the engine
         self._in_flight: deque[_InFlight] = deque()  # oldest first, as the worker runs them
         self.max_in_flight = scheduler.config.max_steps_in_flight
         self.budget = StepBudget(scheduler.config.max_step_seconds,
                                  scheduler.config.max_num_batched_tokens)
         self.total_preemptions = 0
-        #: Timelines, lifecycle logs and metrics (``kvserve.stats_logger``); set by the engine.
-        self.observer = None
         self._num_received = 0  # requests released to us so far
+        self._num_queued = 0  # requests in admission's queue, as of its last message
         self._finished: list[str] = []  # finished since the last capacity report
         self._awaiting_release = False
         self._reported: SchedulerCapacity | None = None
         #: Called with (request id, its exported K/V or None if the export
-        #: failed) once the worker copied a prefill request's blocks out.
-        self.on_kv_export = None
-        #: The worker's ``KVConnector`` (its imports are dropped from here
-        #: when adoption queues no load for them); set by the engine.
-        self.kv_connector = None
+        #: failed) once the worker copied a prefill request's blocks out
+        #: (the engine's futures of disaggregated prefill).
+        self.on_kv_export = on_kv_export
+        #: Opens the offload tier at a path for the core's look-ups (a
+        #: ``kv_transfer.ExternalKV``); ``AttachTier`` uses it.
+        self.attach_tier = attach_tier
 
     def start(self):
         """Start the run loop; admission learns the capacity before any request."""
@@ -116,14 +131,41 @@ class SchedulerActor(Actor):
             reading = self._health()
             if not message.reply.done():
                 message.reply.set_result(reading)
+        elif isinstance(message, AttachTier):
+            self._attach(message)
         else:
             raise TypeError(f"unexpected message {type(message).__name__}")
+
+    def _attach(self, message: AttachTier) -> None:
+        """Look blocks up in the tier at ``message.path`` from now on (the
+        previous mapping, if any, is closed); the reply gets None or the
+        error."""
+        error = None
+        try:
+            if self.attach_tier is None:
+                raise ValueError("this scheduler cannot attach an offload tier")
+            kv = self.core.kv_cache_manager
+            previous, tier = kv.external, self.attach_tier(message.path)
+            kv.set_external(tier)
+            for unused in {previous, tier} - {kv.external, None}:
+                if hasattr(unused, "close"):  # replaced, or refused (no prefix caching)
+                    unused.close()
+        except (ValueError, OSError) as exc:
+            error = exc
+        if message.reply is not None and not message.reply.done():
+            message.reply.set_result(error)
+
+    async def stop(self) -> None:
+        """End the loop, then unmap the offload tier's look-up mapping."""
+        await super().stop()
+        external = self.core.kv_cache_manager.external
+        if external is not None and hasattr(external, "close"):
+            external.close()
 
     def _health(self) -> EngineHealth:
         """A stall reading now; logs ``engine_stalled`` when it passes the
         timeout and ``engine_recovered`` when a step ends the stall."""
-        reading = self.stall.reading(time.monotonic(), self.core.num_running,
-                                     self.core.num_waiting)
+        reading = self.stall.reading(time.monotonic(), self.core.num_running, self.num_waiting)
         if reading.is_stalled and not self._stalled:
             self.log.error("engine_stalled", stalled_seconds=round(reading.stalled_seconds, 1),
                            num_running=reading.num_running, num_waiting=reading.num_waiting,
@@ -133,16 +175,15 @@ class SchedulerActor(Actor):
             self.log.warning("engine_recovered", message="A step finished: the engine "
                              "is no longer stalled")
         self._stalled = reading.is_stalled
-        if self.observer is not None:
-            self.observer.set_stall(reading.stalled_seconds, reading.is_stalled)
+        self.stats.send(StallReport(reading.stalled_seconds, reading.is_stalled))
         return reading
 
     def _adopt(self, message: AdoptBlocks) -> None:
         """A decode replica's imported blocks: adopt those the cache lacks;
         if none needs loading, the import is dropped at once (no step will)."""
         loads = self.core.adopt_blocks(message.request_id, message.block_hashes)
-        if not loads and self.kv_connector is not None:
-            self.kv_connector.drop_imports([message.request_id])
+        if not loads:
+            self.worker.send(DropImports((message.request_id,)))
         self.log.info("kv_blocks_adopted", request_id=message.request_id,
                       num_blocks=len(message.block_hashes), num_loads=len(loads))
 
@@ -150,7 +191,7 @@ class SchedulerActor(Actor):
         """Requests admission lets start; each that cannot be added fails alone."""
         if message.answer:
             self._awaiting_release = False
-        self.core.num_waiting_outside = message.num_waiting
+        self._num_queued = message.num_waiting
         self._num_received += len(message.requests)
         for request in message.requests:
             try:
@@ -171,7 +212,6 @@ class SchedulerActor(Actor):
         self._reported = capacity
         finished, self._finished = tuple(self._finished), []
         self._awaiting_release = wants_release
-        assert self.admission is not None
         self.admission.send(CapacityReport(capacity, returned, finished, wants_release))
 
     def _abort(self, message: AbortRequest) -> None:
@@ -185,12 +225,14 @@ class SchedulerActor(Actor):
         else:  # the detokenizer already ended the stream
             self._finished += [u.request_id for u in updates]
             kept = dict(zip(message.request_ids, message.num_output_tokens))
-            if self.observer is not None:
-                for update in updates:
-                    count = kept.get(update.request_id)
-                    if count is not None:  # the tokens its output kept
-                        update = replace(update, num_output_tokens=count)
-                    self.observer.on_update(update, emitted=False)
+            stopped = []
+            for update in updates:
+                count = kept.get(update.request_id)
+                if count is not None:  # the tokens its output kept
+                    update = replace(update, num_output_tokens=count)
+                stopped.append((update, False))
+            if stopped:
+                self.stats.send(RequestsUpdated(tuple(stopped), time.monotonic()))
         self._refresh_load()
 
     def _maybe_launch_step(self) -> None:
@@ -198,16 +240,15 @@ class SchedulerActor(Actor):
         while (len(self._in_flight) < self.max_in_flight and not self._awaiting_release
                and (self.core.has_unfinished_requests() or self.core.has_pending_transfers())):
             t0 = time.perf_counter()
-            output = self.core.schedule(self.budget.tokens(self.core.num_running))
+            output = self.core.schedule(self.budget.tokens(self.core.num_running),
+                                        num_queued=self._num_queued)
             schedule_seconds = time.perf_counter() - t0
-            if self.observer is not None:
-                self.observer.on_schedule(output, self.core.num_running, self.core.num_waiting,
-                                          self.core.kv_cache_manager.usage)
+            self.stats.send(StepScheduled(output, self.core.num_running, self.num_waiting,
+                                          self.core.kv_cache_manager.usage, time.monotonic()))
             self._report_scheduling(output)
             if output.is_empty:
                 return
             self._in_flight.append(_InFlight(output, schedule_seconds))
-            assert self.worker is not None
             self.worker.send(ExecuteStep(output.step_id, output))
 
     def _report_scheduling(self, output: SchedulerOutput) -> None:
@@ -242,6 +283,7 @@ class SchedulerActor(Actor):
         t0 = time.perf_counter()
         runner_output = result.runner_output
         self.stall.on_step(time.monotonic())
+        spec = None
         if result.error is not None:
             self._fail_step(output, result.error)
         else:
@@ -249,36 +291,37 @@ class SchedulerActor(Actor):
                                                    runner_output.draft_token_ids)
             self._emit(updates, runner_output.logprobs,
                        prompt_logprobs=runner_output.prompt_logprobs)
-            if self.observer is not None and self.core.config.speculative is not None:
-                self.observer.on_spec_decode(self.core.take_spec_stats())
+            if self.core.config.speculative is not None:
+                spec = self.core.take_spec_stats()
             self.budget.observe(output.num_batched_tokens, runner_output.forward_seconds)
-        self._finish_exports(output, runner_output)
+        transfer = self._finish_exports(output, runner_output)
         self._hand_back()
-        if self.observer is not None:
-            self.observer.on_step(output, result.start, result.end,
-                                  self._step_times(step, runner_output, time.perf_counter() - t0))
+        self.stats.send(StepFinished(
+            output, result.start, result.end,
+            self._step_times(step, runner_output, time.perf_counter() - t0), spec,
+            transfer.stats if transfer is not None else None))
         self._refresh_load()
 
-    def _finish_exports(self, output: SchedulerOutput, runner_output) -> None:
+    def _finish_exports(self, output: SchedulerOutput, runner_output):
         """Free the blocks of the step's exports and hand their K/V (None if
-        the step failed) to ``on_kv_export``; count the step's transfers."""
+        the step failed) to ``on_kv_export``; the step's ``TransferResult``
+        (None without transfers)."""
         transfer = getattr(runner_output, "kv_transfer", None)
         exported = transfer.exports if transfer is not None else {}
         self.core.release_exports(output.kv_export_ids)
         if self.on_kv_export is not None:
             for request_id in output.kv_export_ids:
                 self.on_kv_export(request_id, exported.get(request_id))
-        if transfer is not None and self.observer is not None:
-            self.observer.on_kv_transfer(transfer.stats)
+        return transfer
 
     def _hand_back(self) -> None:
-        """After a step's results: every request still waiting here goes back
+        """After a step's results: every request still staged here goes back
         to admission (no step in flight holds a preempted one now), which
         answers with what to start next; the next step waits for that answer
-        unless admission holds nothing."""
-        returned = tuple(self.core.take_waiting())
-        wants = bool(returned or self.core.num_waiting_outside)
-        self.core.num_waiting_outside += len(returned)
+        unless admission's queue is empty."""
+        returned = tuple(self.core.hand_back())
+        wants = bool(returned or self._num_queued)
+        self._num_queued += len(returned)
         self._report(wants_release=wants, returned=returned)
 
     @staticmethod
@@ -296,15 +339,15 @@ class SchedulerActor(Actor):
         """Running/waiting/KV gauges as they are now (they must reach 0 when
         idle), and whether the engine has work (for the stall watch)."""
         self.stall.on_load(time.monotonic(), bool(
-            self.core.num_running or self.core.num_waiting or self._in_flight))
-        if self.observer is not None:
-            self.observer.set_load(self.core.num_running, self.core.num_waiting,
-                                   self.core.kv_cache_manager.usage)
+            self.core.num_running or self.num_waiting or self._in_flight))
+        self.stats.send(LoadReport(self.core.num_running, self.num_waiting,
+                                   self.core.kv_cache_manager.usage))
 
     @property
     def num_waiting(self) -> int:
-        """Waiting requests, here and in admission (as of its last message)."""
-        return self.core.num_waiting
+        """Waiting requests: admission's queue (as of its last message) and
+        those staged here."""
+        return self._num_queued + self.core.num_staged
 
     def _fail_step(self, output: SchedulerOutput, error: str) -> None:
         """A step raised: fail its requests, and those of the step in flight
@@ -322,7 +365,7 @@ class SchedulerActor(Actor):
     def _emit(self, updates: list[RequestUpdate] | tuple[RequestUpdate, ...],
               logprobs: dict | None = None, error: str | None = None,
               prompt_logprobs: dict | None = None) -> None:
-        assert self.detokenizer is not None
+        emitted = []
         for update in updates:
             if not update.new_token_ids and update.finish_reason is None:
                 continue
@@ -339,14 +382,9 @@ class SchedulerActor(Actor):
                 num_cached_tokens=max(update.num_cached_tokens, 0),
                 logprobs=entries, error=update.error or (error if reason is not None else None),
                 prompt_logprobs=_as_tuple((prompt_logprobs or {}).get(update.request_id))))
-            if self.observer is not None:  # TTFT/ITL stamped as the token leaves the core
-                self.observer.on_update(update)
-            elif reason is not None:
-                self.log.info("request_finished", request_id=update.request_id,
-                              finish_reason=str(reason), prompt_tokens=update.num_prompt_tokens,
-                              output_tokens=update.num_output_tokens,
-                              cached_tokens=max(update.num_cached_tokens, 0),
-                              preemptions=update.num_preemptions)
+            emitted.append((update, True))
+        if emitted:  # TTFT/ITL stamped as the tokens leave the core
+            self.stats.send(RequestsUpdated(tuple(emitted), time.monotonic()))
 
 
 def _hits_on(output: SchedulerOutput, block_ids: tuple[int, ...], block_size: int) -> list[str]:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 
-from kvserve.actors.base import Actor
-from kvserve.actors.messages import GenerateRequest, RequestFailed, TokenizedRequest
-from kvserve.actors.registry import StreamRegistry, child_request_ids
-from kvserve.actors.stream import RequestStream
+from kvserve.actors.base import Actor, Mailbox
+from kvserve.actors.messages import (AbortRequest, Deliver, GenerateRequest, RequestFailed,
+                                     TokenizedRequest)
+from kvserve.actors.registry import child_request_ids
 from kvserve.core.sampling_params import SEED_MIN
 from kvserve.structured.compiler import ConstraintError
 
@@ -89,19 +90,33 @@ class TokenizerActor(Actor):
     ``kvserve.structured.compiler.ConstraintCompiler``: bounded, off the
     loop and the step thread) before the request is queued; meanwhile the
     actor goes on with the next requests, so requests may leave it out of
-    arrival order. A request aborted (or whose id was reused) while it was
-    being prepared is dropped when its tokens come back.
+    arrival order. A request aborted while it was being prepared is dropped
+    when its tokens come back.
+
+    Inbox: ``GenerateRequest`` and ``AbortRequest`` (the engine's, for a
+    client gone, a deadline passed or a drain): an abort of a request still
+    being prepared ends it here; any other goes on to admission, behind the
+    request if it was sent. Refusals go to the detokenizer as ``Deliver``.
+
+    Args:
+        tokenizer: the checkpoint's tokenizer.
+        max_model_len: tokens a prompt and its output may reach.
+        admission, detokenizer: the peers' mailboxes.
+        num_threads: threads that tokenize long prompts.
+        compiler: the constraint compiler, or None (the worker compiles).
     """
 
     name = "tokenizer"
+    accepts = (GenerateRequest, AbortRequest)
 
-    def __init__(self, tokenizer, max_model_len: int, streams: StreamRegistry, admission: Actor,
-                 num_threads: int = NUM_TOKENIZER_THREADS, compiler=None) -> None:
-        super().__init__()
+    def __init__(self, tokenizer, max_model_len: int, admission: Mailbox, detokenizer: Mailbox,
+                 num_threads: int = NUM_TOKENIZER_THREADS, compiler=None,
+                 inbox: Mailbox | None = None) -> None:
+        super().__init__(inbox)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.streams = streams
         self.admission = admission
+        self.detokenizer = detokenizer
         self.compiler = compiler
         self._executor = ThreadPoolExecutor(max_workers=num_threads,
                                             thread_name_prefix="kvserve-tokenizer")
@@ -110,11 +125,17 @@ class TokenizerActor(Actor):
         self.max_prompt_chars = max_model_len * per_token if per_token else None
         self.min_tokens_per_message = getattr(tokenizer, "min_tokens_per_message", 1)
         self._in_flight: set[asyncio.Task[None]] = set()
+        #: Requests being prepared off the loop: each sample's id -> the
+        #: request's ticket (a new one per request, so that an id reused
+        #: after an abort is a different request here).
+        self._preparing: dict[str, int] = {}
+        self._aborted: set[int] = set()  # tickets of requests aborted while being prepared
+        self._tickets = itertools.count()
 
-    async def handle(self, message: GenerateRequest) -> None:
-        stream = self.streams.get(message.request_id)
-        if stream is None:
-            return  # aborted before it was tokenized
+    async def handle(self, message: GenerateRequest | AbortRequest) -> None:
+        if isinstance(message, AbortRequest):
+            self._abort(message)
+            return
         try:
             if self._constrained(message):
                 self.compiler.check_size(message.sampling_params.structured_outputs)
@@ -129,34 +150,58 @@ class TokenizerActor(Actor):
         except (PromptError, ConstraintError) as exc:
             self._fail(message.request_id, str(exc), exc.param)
             return
-        task = asyncio.create_task(self._prepare_off_loop(message, stream),
+        ticket = next(self._tickets)
+        for child_id in child_request_ids(message.request_id, message.sampling_params.n):
+            self._preparing[child_id] = ticket
+        task = asyncio.create_task(self._prepare_off_loop(message, ticket),
                                    name=f"tokenize-{message.request_id}")
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
 
-    async def _prepare_off_loop(self, message: GenerateRequest, stream: RequestStream) -> None:
+    def _abort(self, message: AbortRequest) -> None:
+        """End requests still being prepared here; pass on the others."""
+        onward = []
+        for request_id in message.request_ids:
+            ticket = self._preparing.get(request_id)
+            if ticket is None:
+                onward.append(request_id)
+            else:
+                self._aborted.add(ticket)
+        if onward:
+            self.admission.send(AbortRequest(tuple(onward), message.reason,
+                                             message.num_output_tokens))
+
+    async def _prepare_off_loop(self, message: GenerateRequest, ticket: int) -> None:
         """Tokenize ``message`` (on the pool when long) and compile its
-        constraint, then admit it unless its stream (``stream``, the one open
-        when it arrived) was closed meanwhile."""
+        constraint, then admit it unless it was aborted meanwhile."""
         loop = asyncio.get_running_loop()
+        rid = message.request_id
+
+        def live() -> bool:
+            return ticket not in self._aborted
+
         try:
             if prompt_chars(message) < INLINE_MAX_CHARS:
                 prompt_ids = self._tokenize(message)
             else:
                 prompt_ids = await loop.run_in_executor(self._executor, self._tokenize, message)
-            if self._constrained(message) and self.streams.get(message.request_id) is stream:
+            if self._constrained(message) and live():
                 self._check_length(message, prompt_ids)  # before paying for a compile
                 message = await self._compile(message)
-            if self.streams.get(message.request_id) is stream:
+            if live():
                 self._admit(message, prompt_ids)
         except (PromptError, ConstraintError) as exc:
-            if self.streams.get(message.request_id) is stream:
-                self._fail(message.request_id, str(exc), exc.param,
-                           getattr(exc, "status", 400))
+            if live():
+                self._fail(rid, str(exc), exc.param, getattr(exc, "status", 400))
         except Exception as exc:  # noqa: BLE001 - as Actor._dispatch: fail the request only
             self.log.exception("actor_error", message_type=type(message).__name__)
-            if self.streams.get(message.request_id) is stream:
+            if live():
                 self.on_error(message, exc)
+        finally:
+            for child_id in child_request_ids(rid, message.sampling_params.n):
+                if self._preparing.get(child_id) == ticket:
+                    del self._preparing[child_id]
+            self._aborted.discard(ticket)
 
     def _constrained(self, message: GenerateRequest) -> bool:
         """Whether ``message`` has an output constraint for the compiler (one
@@ -242,13 +287,14 @@ class TokenizerActor(Actor):
         self.log.info("request_rejected", request_id=request_id, reason=text, status=status)
         kind = {429: "server_overloaded", 503: "service_unavailable"}.get(
             status, "invalid_request_error")
-        self.streams.fail(RequestFailed(request_id, status, text, type=kind, param=param,
-                                        retry_after=1.0 if status == 429 else None))
+        self.detokenizer.send(Deliver(request_id, RequestFailed(
+            request_id, status, text, type=kind, param=param,
+            retry_after=1.0 if status == 429 else None)))
 
     def on_error(self, message, exc: Exception) -> None:
         if isinstance(message, GenerateRequest):
-            self.streams.fail(RequestFailed(message.request_id, 500, f"tokenizer fault: {exc}",
-                                            type="internal_error"))
+            self.detokenizer.send(Deliver(message.request_id, RequestFailed(
+                message.request_id, 500, f"tokenizer fault: {exc}", type="internal_error")))
 
     async def stop(self) -> None:
         """Stop the run loop and the constraint compiler (a request still
@@ -287,7 +333,7 @@ def fan_out(message: GenerateRequest, prompt_ids: tuple[int, ...]) -> list[Token
             request_id=child_id,
             parent_id=message.request_id, index=index, prompt_token_ids=prompt_ids,
             sampling_params=child_params, arrival_time=message.arrival_time,
-            priority=message.priority, request_class=message.request_class))
+            priority=message.priority, request_class=message.request_class, num_samples=n))
     return children
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from kvserve.actors.base import Actor
-from kvserve.actors.messages import ExecuteStep, StepResult
+from kvserve.actors.base import Actor, Mailbox
+from kvserve.actors.messages import AttachTier, DropImports, ExecuteStep, ImportBlocks, StepResult
+from kvserve.distributed.kv_connector import log_offload_tier
 
 
 def worker_executor() -> ThreadPoolExecutor:
@@ -24,21 +26,48 @@ class WorkerActor(Actor):
     that raises becomes a ``StepResult`` with ``error`` set: the scheduler
     fails exactly that step's requests and the engine goes on. ``executor``:
     the thread the runner was built on (``worker_executor``; a new one if None).
+
+    The runner's KV connector (``runner.kv_connector``) is the worker's alone:
+    a step's saves, loads and exports travel in ``ExecuteStep``'s scheduler
+    output and come back in ``StepResult``; imported blocks (``ImportBlocks``),
+    imports no step will load (``DropImports``) and a tier to attach
+    (``AttachTier``) arrive in this inbox. Messages are handled one at a time
+    and a step is awaited before the next message, so the connector is never
+    touched by two threads at once. ``make_connector``: builds a connector
+    for a runner that has none when a tier is attached (None: attaching
+    fails with ``ValueError``).
     """
 
     name = "worker"
+    accepts = (ExecuteStep, ImportBlocks, DropImports, AttachTier)
 
-    def __init__(self, runner, scheduler: Actor, executor: ThreadPoolExecutor | None = None
-                 ) -> None:
-        super().__init__()
+    def __init__(self, runner, scheduler: Mailbox, executor: ThreadPoolExecutor | None = None,
+                 make_connector: Callable[[], object] | None = None,
+                 inbox: Mailbox | None = None) -> None:
+        super().__init__(inbox)
         self.runner = runner
         self.scheduler = scheduler
+        self.make_connector = make_connector
         self._executor = executor or worker_executor()
 
-    async def handle(self, message: ExecuteStep) -> None:
+    async def handle(self, message) -> None:
+        if isinstance(message, ExecuteStep):
+            await self._execute(message)
+        elif isinstance(message, ImportBlocks):
+            self._connector().add_import(message.request_id, message.block_hashes, message.data)
+        elif isinstance(message, DropImports):
+            if self.runner.kv_connector is not None:
+                self.runner.kv_connector.drop_imports(message.request_ids)
+        elif isinstance(message, AttachTier):
+            self._attach(message)
+
+    async def _execute(self, message: ExecuteStep) -> None:
         loop = asyncio.get_running_loop()
+        out = message.scheduler_output
         start = time.monotonic()
         try:
+            if out.kv_export_ids or out.kv_loads or out.kv_saves:
+                self._connector()  # the first transfer of an engine with no tier
             output = await loop.run_in_executor(self._executor, self.runner.execute,
                                                 message.scheduler_output)
             error = None
@@ -48,6 +77,33 @@ class WorkerActor(Actor):
         self.scheduler.send(StepResult(message.step_id, message.scheduler_output, output,
                                        start, time.monotonic(), error))
 
+    def _connector(self):
+        """The runner's connector, built on first need."""
+        if self.runner.kv_connector is None:
+            if self.make_connector is None:
+                raise ValueError("this engine has no KV connector")
+            self.runner.kv_connector = self.make_connector()
+        return self.runner.kv_connector
+
+    def _attach(self, message: AttachTier) -> None:
+        try:
+            connector = self._connector()
+            connector.attach_tier(message.path)
+            log_offload_tier(connector)
+            error = None
+        except ValueError as exc:
+            error = exc
+        if message.reply is not None and not message.reply.done():
+            message.reply.set_result(error)
+
+    def on_error(self, message, exc: Exception) -> None:
+        """A message that raised: an attach's caller gets the error."""
+        reply = getattr(message, "reply", None)
+        if reply is not None and not reply.done():
+            reply.set_result(exc)
+
     async def stop(self) -> None:
         await super().stop()
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.close()
         self._executor.shutdown(wait=True)

@@ -44,6 +44,13 @@ blocks, so prefix-cache hashes only ever cover verified tokens. A chunk
 that will propose draft-model drafts gets that many lookahead slots
 (vLLM's ``num_lookahead_tokens``), where the draft model writes its K/V;
 they stay in the request's table and are freed with it.
+
+The waiting queue is admission's (``core.admission_queue``): it orders the
+waiting requests and releases what this scheduler can start. Released
+requests are *staged* here (``staged``, in the policy's order) until a step
+admits them; those it could not admit, and those it preempts, are handed
+back (``hand_back``) after the step's results, when no step in flight holds
+a preempted one (see above).
 """
 
 from __future__ import annotations
@@ -104,7 +111,7 @@ class Scheduler:
         self.config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
-        self.waiting = create_queue(scheduler_config.policy,
+        self.staged = create_queue(scheduler_config.policy,
                                     scheduler_config.priority_aging_seconds)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -112,9 +119,6 @@ class Scheduler:
         # request id -> length of its block table the runner has (deltas)
         self._blocks_sent: dict[str, int] = {}
         self._step_id = 0
-        #: Requests waiting outside this scheduler (the engine's admission
-        #: queue), counted in ``num_waiting`` and the outputs' ``num_waiting``.
-        self.num_waiting_outside = 0
         # KV transfers (``kv_transfer``): exports not sent to the runner yet,
         # exports sent and holding their blocks (request id -> blocks), and
         # loads of adopted blocks for the next step.
@@ -124,7 +128,8 @@ class Scheduler:
         self._pending_loads: list[BlockTransfer] = []
         #: Speculative decoding counts since the last ``take_spec_stats``.
         self._spec_stats = SpecDecodingStats()
-        self._num_requests_at_step_start = 0  # running + waiting when schedule() began
+        self._num_requests_at_step_start = 0  # running + staged when schedule() began
+        self._num_queued = 0  # admission's waiting requests, as schedule() was told
 
     # ----------------------------------------------------------- bookkeeping
 
@@ -134,14 +139,14 @@ class Scheduler:
         return len(self.running)
 
     @property
-    def num_waiting(self) -> int:
-        """Requests queued (new or preempted), here and outside."""
-        return len(self.waiting) + self.num_waiting_outside
+    def num_staged(self) -> int:
+        """Requests staged here and not running (``staged``)."""
+        return len(self.staged)
 
     @property
-    def num_waiting_tokens(self) -> int:
-        """Tokens the waiting requests still have to compute (prompt + output)."""
-        return self.waiting.num_tokens
+    def num_staged_tokens(self) -> int:
+        """Tokens the staged requests still have to compute (prompt + output)."""
+        return self.staged.num_tokens
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
@@ -159,8 +164,8 @@ class Scheduler:
         return self.requests.get(request_id)
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request, or a preempted one coming back (from
-        ``take_waiting``). Its ``max_model_len`` is capped at the scheduler's.
+        """Stage a request admission released (new, or one handed back
+        earlier). Its ``max_model_len`` is capped at the scheduler's.
         Raises ``ValueError`` for a duplicate live id or a request that is
         running or finished."""
         if request.request_id in self.requests:
@@ -173,19 +178,20 @@ class Scheduler:
         if request.max_model_len is None or request.max_model_len > limit:
             request.max_model_len = limit
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        self.staged.add(request)
 
-    def take_waiting(self) -> list[Request]:
-        """Hand every waiting request (new ones not admitted yet, preempted
-        ones) back to the caller, in service order, and forget them here.
+    def hand_back(self) -> list[Request]:
+        """Hand every staged request (released and not admitted, or
+        preempted) back to the caller (admission, which owns the waiting
+        queue), in service order, and forget them here.
 
         Call it only when no step in flight holds a preempted one (after
         ``update_from_output``, with at most two steps in flight: see the
         module docstring), since their sampled tokens would be dropped.
         """
         taken = []
-        while self.waiting:
-            request = self.waiting.pop()
+        while self.staged:
+            request = self.staged.pop()
             del self.requests[request.request_id]
             taken.append(request)
         return taken
@@ -198,7 +204,7 @@ class Scheduler:
         if self.config.policy == "priority" and self.running:
             worst = self._priority_key(self._pick_victim())
         return SchedulerCapacity(
-            free_seqs=self.config.max_num_seqs - len(self.running) - len(self.waiting),
+            free_seqs=self.config.max_num_seqs - len(self.running) - len(self.staged),
             free_blocks=manager.num_free_blocks, num_running=len(self.running),
             worst_running=worst, released_seen=released_seen)
 
@@ -220,7 +226,7 @@ class Scheduler:
         running = {r.request_id for r in found if r.status is RequestStatus.RUNNING}
         if running:
             self.running = [r for r in self.running if r.request_id not in running]
-        self.waiting.remove([r.request_id for r in found if r.request_id not in running])
+        self.staged.remove([r.request_id for r in found if r.request_id not in running])
         return [self._finish(r, status) for r in found]
 
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None,
@@ -300,21 +306,24 @@ class Scheduler:
 
     # -------------------------------------------------------------- schedule
 
-    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+    def schedule(self, token_budget: int | None = None, num_queued: int = 0) -> SchedulerOutput:
         """Build the next step: running requests first (decodes before prefill
-        chunks), then -- if nothing was preempted -- admit waiting requests
+        chunks), then -- if nothing was preempted -- admit staged requests
         while budget, ``max_num_seqs`` and free blocks allow.
 
         ``token_budget`` (tokens) lowers this step's budget below
         ``max_num_batched_tokens`` (the step-time target, ``StepBudget``).
+        ``num_queued``: requests in admission's waiting queue, added to the
+        staged ones in the output's ``num_waiting`` (the step's statistics).
         """
+        self._num_queued = num_queued
         stats = self.kv_cache_manager.stats
         queries, hits = stats.queries, stats.hits
         budget = self.config.max_num_batched_tokens
         step = _Step(budget=budget if token_budget is None else min(budget, token_budget),
                      offload_queries=stats.external_queries, offload_hits=stats.external_hits,
                      stored=self.kv_cache_manager.take_stored())
-        self._num_requests_at_step_start = len(self.running) + len(self.waiting)
+        self._num_requests_at_step_start = len(self.running) + len(self.staged)
         self._schedule_running(step)
         if not step.preemptions or self.config.policy == "priority":
             self._schedule_waiting(step)
@@ -351,7 +360,7 @@ class Scheduler:
         limit = request.max_model_len or self.config.max_model_len
         num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens,
                       step.budget, limit - request.num_computed_tokens)
-        if request.num_computed_tokens < request.num_prompt_tokens and self.waiting:
+        if request.num_computed_tokens < request.num_prompt_tokens and self.staged:
             num_new = self._capped(num_new)  # a prefill leaves room for those waiting
         if num_new <= 0 or _ends_in_flight(request, limit):
             return True
@@ -416,7 +425,7 @@ class Scheduler:
             request.spec = SpecState()
         if not may_speculate(request.sampling_params, request.num_output_tokens):
             return False
-        alone = len(self.running) == 1 and not self.waiting  # sitting out costs nothing
+        alone = len(self.running) == 1 and not self.staged  # sitting out costs nothing
         if request.spec.enabled or alone:
             return True
         request.spec.plain_step()
@@ -505,7 +514,7 @@ class Scheduler:
         if request.spec is not None:
             request.spec.draft_token_ids = []
         request.num_preemptions += 1
-        self.waiting.prepend(request)
+        self.staged.prepend(request)
         self._finished_ids[request.request_id] = None
         step.preemptions.append(PreemptionEvent(request.request_id, "kv_cache_full", num_freed))
 
@@ -514,13 +523,13 @@ class Scheduler:
         and blocks allow. Under ``priority`` a waiting request that finds no
         slot or no blocks preempts worse running requests (vLLM's priority
         scheduling)."""
-        while self.waiting and step.budget > 0:
-            request = self.waiting.peek()
+        while self.staged and step.budget > 0:
+            request = self.staged.peek()
             if request.request_id in step.preempted_ids:
                 return  # preempted this step: never recompute it in the same step
             error = self._reject_reason(request)
             if error is not None:
-                self.waiting.pop()
+                self.staged.pop()
                 step.rejected.append(self._finish(request, RequestStatus.FINISHED_ERROR, error))
                 continue
             if len(self.running) >= self.config.max_num_seqs:
@@ -558,7 +567,7 @@ class Scheduler:
         first = request.num_cached_tokens < 0
         divergence = manager.find_divergence(request, len(hit_blocks)) if first else None
         num_new = min(request.num_tokens - num_hit - num_loaded * self.block_size, step.budget)
-        if len(self.waiting) > 1:  # others wait behind it
+        if len(self.staged) > 1:  # others wait behind it
             num_new = self._capped(num_new)
         num_slots = num_loaded * self.block_size + num_new
         limit = request.max_model_len or self.config.max_model_len
@@ -571,7 +580,7 @@ class Scheduler:
         manager.record_external(request, len(hit_blocks), num_loaded)
         self._load(request, len(hit_blocks), new_blocks[:num_loaded], step)
         num_hit += num_loaded * self.block_size
-        self.waiting.pop()
+        self.staged.pop()
         resumed = request.status is RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit
@@ -616,7 +625,8 @@ class Scheduler:
             num_decode_tokens=num_decode, first_scheduled_request_ids=tuple(step.first_scheduled),
             prefix_cache_queries=queries, prefix_cache_hits=hits,
             kv_cache_usage=self.kv_cache_manager.usage, num_running=len(self.running),
-            num_waiting=self.num_waiting, divergences=tuple(step.divergences),
+            num_waiting=self.num_staged + self._num_queued,
+            divergences=tuple(step.divergences),
             written_block_ids=self._written_blocks(scheduled) + tuple(b.block_id for b in loads),
             kv_saves=saves, kv_exports=exports, kv_export_ids=export_ids, kv_loads=loads,
             kv_offload_queries=stats.external_queries - step.offload_queries,
@@ -732,7 +742,7 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
-            self.waiting.remove([request.request_id])
+            self.staged.remove([request.request_id])
         return self._finish(request, status, error, new_token_ids)
 
 

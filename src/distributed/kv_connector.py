@@ -15,22 +15,26 @@ same code serves NumPy caches and CuPy ones. One block in host memory is
 ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` of the cache's dtype
 (the per-layer caches are ``[num_blocks, 2, block_size, nkv, hd]``).
 
-It also answers the scheduler's tier look-ups (``ExternalKV.lookup``) on
-the scheduler's thread; only the tier's own locks are shared.
+The connector is the worker's alone (``kvserve.actors.worker``): every
+call comes from the worker actor, one at a time, so it needs no lock. The
+scheduler looks blocks up in the tier through a mapping of its own
+(``KVLayout.attach_tier``); only the tier's own locks are shared.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import structlog
 
 from kvserve.core.kv_transfer import BlockTransfer
 from kvserve.core.outputs import SchedulerOutput
 from kvserve.distributed.host_tier import BlockLost, SharedHostTier
+
+log = structlog.get_logger("kvserve.kv_connector")
 
 #: Seconds an import waits for its request's admission before it is dropped
 #: (its request was refused or aborted before it reached the scheduler).
@@ -70,6 +74,40 @@ class TransferResult:
     stats: TransferStats = field(default_factory=TransferStats)
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """What a block of this engine's KV cache is outside the cache: its
+    host shape ``(num_layers, 2, block_size, num_kv_heads, head_dim)``, its
+    NumPy dtype (a ``str``, e.g. ``"<f4"``) and the model fingerprint
+    (``engine.model_fingerprint``). An offload tier must match all three."""
+
+    block_shape: tuple[int, ...]
+    dtype: str
+    fingerprint: str
+
+    @classmethod
+    def of(cls, kv_caches: Sequence, fingerprint: str) -> KVLayout:
+        """The layout of per-layer caches ``[num_blocks, 2, bs, nkv, hd]``."""
+        first = kv_caches[0]
+        return cls((len(kv_caches), *(int(d) for d in first.shape[1:])),
+                   np.dtype(first.dtype).str, fingerprint)
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.block_shape[2]
+
+    def attach_tier(self, path: str) -> SharedHostTier:
+        """A mapping of its own of the tier at ``path`` (the scheduler's
+        look-ups). Raises ``ValueError`` for a tier of another layout and
+        ``FileNotFoundError`` when it is gone."""
+        return SharedHostTier.attach(path, self.block_shape, self.dtype, self.fingerprint)
+
+    def connector(self, ops) -> KVConnector:
+        """A connector for caches of this layout, with no tier yet."""
+        return KVConnector(ops, self.block_shape, self.dtype, self.fingerprint)
+
+
 @dataclass
 class _Import:
     hashes: dict[bytes, int]  # block hash -> row of data
@@ -98,7 +136,6 @@ class KVConnector:
         self.tier: SharedHostTier | None = None
         self.owns_tier = False
         self._imports: dict[str, _Import] = {}
-        self._lock = threading.Lock()
         self._poisoned: set[int] = set()
 
     def create_tier(self, size_bytes: int) -> SharedHostTier:
@@ -116,29 +153,20 @@ class KVConnector:
         self.owns_tier = False
         return self.tier
 
-    # ---------------------------------------------------- scheduler's side
-
-    def lookup(self, block_hashes: Sequence[bytes]) -> int:
-        """``ExternalKV.lookup`` on the tier (0 without one)."""
-        if self.tier is None or not block_hashes:
-            return 0
-        return self.tier.lookup(block_hashes)
+    # ----------------------------------------------------------- imports
 
     def add_import(self, request_id: str, block_hashes: Sequence[bytes],
                    data: np.ndarray) -> None:
         """Keep a prefill replica's blocks for ``request_id`` until a step
         loads them (``data``: ``[len(block_hashes), *block_shape]``)."""
-        with self._lock:
-            self._drop_expired(time.monotonic())
-            self._imports[request_id] = _Import(
-                {h: i for i, h in enumerate(block_hashes)}, data,
-                time.monotonic() + IMPORT_TTL_SECONDS)
+        self._drop_expired(time.monotonic())
+        self._imports[request_id] = _Import({h: i for i, h in enumerate(block_hashes)}, data,
+                                            time.monotonic() + IMPORT_TTL_SECONDS)
 
     def drop_imports(self, request_ids: Iterable[str]) -> None:
         """Forget the imports of these requests (done with, or gone)."""
-        with self._lock:
-            for request_id in request_ids:
-                self._imports.pop(request_id, None)
+        for request_id in request_ids:
+            self._imports.pop(request_id, None)
 
     @property
     def num_imports(self) -> int:
@@ -208,8 +236,7 @@ class KVConnector:
               stats: TransferStats) -> None:
         from_tier: list[BlockTransfer] = []
         for request_id, blocks in _by_request(loads).items():
-            with self._lock:
-                imported = self._imports.pop(request_id, None)
+            imported = self._imports.pop(request_id, None)
             if imported is None:
                 from_tier += blocks
                 continue
@@ -237,20 +264,36 @@ class KVConnector:
             self.tier = None
 
 
-def build_kv_connector(ops, kv_caches: Sequence, cache_config, fingerprint: str,
-                       ) -> KVConnector:
-    """The engine's connector for these per-layer caches, with an offload
-    tier when ``cache_config`` (``CacheConfig``) asks for one: attached at
-    ``kv_offloading_path``, or created with ``kv_offloading_size`` GiB.
-    Raises ``ValueError`` for a tier made for another model (``fingerprint``)
-    or one too small for a block."""
-    first = kv_caches[0]
-    connector = KVConnector(ops, (len(kv_caches), *first.shape[1:]), first.dtype, fingerprint)
+def build_kv_connector(ops, layout: KVLayout, cache_config) -> KVConnector | None:
+    """The engine's connector when ``cache_config`` (``CacheConfig``) asks
+    for an offload tier (attached at ``kv_offloading_path``, or created
+    with ``kv_offloading_size`` GiB); None otherwise: the worker builds one
+    when a step first transfers blocks (an export, an import) or a tier is
+    attached later. Raises ``ValueError`` for a tier made for another model
+    (``layout.fingerprint``) or one too small for a block."""
+    if not (cache_config.kv_offloading_path or cache_config.kv_offloading_size > 0):
+        return None
+    connector = layout.connector(ops)
     if cache_config.kv_offloading_path:
         connector.attach_tier(cache_config.kv_offloading_path)
-    elif cache_config.kv_offloading_size > 0:
+    else:
         connector.create_tier(int(cache_config.kv_offloading_size * 2**30))
     return connector
+
+
+def log_offload_tier(connector: KVConnector) -> None:
+    """``kv_offload_tier``: the connector's tier (size, blocks, tokens,
+    created or attached); nothing without one."""
+    tier = connector.tier
+    if tier is None:
+        return
+    size = tier.num_slots * tier.slot_bytes
+    tokens = tier.num_slots * tier.block_shape[2]
+    log.info("kv_offload_tier", path=str(tier.path), num_blocks=tier.num_slots,
+             num_tokens=tokens, bytes=size, created=connector.owns_tier,
+             message=f"KV offload tier: {size / 2**30:.2f} GiB of shared memory, "
+                     f"{tier.num_slots:,} blocks ({tokens:,} tokens), "
+                     f"{'created' if connector.owns_tier else 'attached'} at {tier.path}")
 
 
 def _by_request(transfers: Iterable[BlockTransfer]) -> dict[str, list[BlockTransfer]]:

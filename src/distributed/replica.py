@@ -52,6 +52,9 @@ class EngineReplica:
     async def start(self) -> dict:
         """Load the model and start the engine; returns what the router and
         the API need (``max_model_len``, ``block_size``, KV tokens)."""
+        from kvserve.thread_env import apply_thread_pool_env
+
+        apply_thread_pool_env()  # before kvserve.engine loads NumPy (kvserve.thread_env)
         import structlog
 
         from kvserve.engine import AsyncEngine
@@ -61,23 +64,23 @@ class EngineReplica:
         structlog.contextvars.bind_contextvars(replica=self.index)
         self.engine = await AsyncEngine.start(self.config, self.model_name,
                                               request_timeout=self.request_timeout,
-                                              stats_interval=self.stats_interval)
-        self.engine.core.scheduler.kv_cache_manager.pool.events = self.events
+                                              stats_interval=self.stats_interval,
+                                              kv_events=self.events)
         plan = self.engine.core.plan
         return {"max_model_len": self.engine.max_model_len, "block_size": plan.block_size,
                 "num_kv_tokens": plan.num_tokens, "model_name": self.engine.model_name,
                 "pid": os.getpid()}
 
-    def attach_offload_tier(self, path: str) -> None:
+    async def attach_offload_tier(self, path: str) -> None:
         """Share the node's KV offload tier at ``path`` (the client made it)."""
-        self.engine.attach_offload_tier(path)
+        await self.engine.attach_offload_tier(path)
 
     def kv_layout(self) -> dict:
         """What an offload tier for this engine must hold: one block's shape,
         its dtype and the model fingerprint."""
-        connector = self.engine.core.runner.kv_connector
-        return {"block_shape": connector.block_shape, "dtype": connector.dtype.str,
-                "fingerprint": connector.fingerprint}
+        layout = self.engine.kv_layout
+        return {"block_shape": layout.block_shape, "dtype": layout.dtype,
+                "fingerprint": layout.fingerprint}
 
     async def prefill(self, request: GenerateRequest) -> tuple[dict, object]:
         """The prefill half of a disaggregated request (its sampling params
@@ -144,8 +147,8 @@ class EngineReplica:
         client calls ``start`` again)."""
         if self.engine is None:
             return ReplicaLoad(), (), False
-        core = self.engine.core.scheduler
-        load = ReplicaLoad(running=core.num_running, waiting=self.engine.scheduler.num_waiting)
+        load = ReplicaLoad(running=self.engine.load.num_running,
+                           waiting=self.engine.load.num_waiting)
         return load, self.events.drain(), True
 
     def is_ready(self) -> bool:

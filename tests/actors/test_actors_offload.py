@@ -13,8 +13,9 @@ import pytest
 
 from kvserve.actors import tokenizer as tokenizer_module
 from kvserve.actors.detokenizer import DetokenizerActor
-from kvserve.actors.messages import GenerateRequest, TokenDelta, TokenizedRequest
-from kvserve.actors.registry import StreamRegistry
+from kvserve.actors.messages import (AbortRequest, Deliver, GenerateRequest, OpenStream,
+                                     TokenDelta, TokenizedRequest)
+from kvserve.actors.stream import RequestStream
 from kvserve.actors.tokenizer import TokenizerActor
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.model.tokenizer import Tokenizer
@@ -68,13 +69,13 @@ class RecordingTokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-class Admission:
-    """Stands in for the admission actor: records what it is sent."""
+class Peer:
+    """Stands in for the admission or detokenizer actor: records what it is sent."""
 
     def __init__(self) -> None:
-        self.received: list[TokenizedRequest] = []
+        self.received: list = []
 
-    def send(self, message: TokenizedRequest) -> None:
+    def send(self, message) -> None:
         self.received.append(message)
 
 
@@ -113,19 +114,17 @@ def batch() -> list[GenerateRequest]:
 
 async def run_batch(tok: RecordingTokenizer, requests: list[GenerateRequest]):
     """Tokenize ``requests`` through a ``TokenizerActor``; returns what
-    admission received and each refused request's ``RequestFailed``."""
-    streams, admission = StreamRegistry(), Admission()
-    opened = {r.request_id: streams.open(r.request_id, r.sampling_params.n) for r in requests}
-    actor = TokenizerActor(tok, MAX_MODEL_LEN, streams, admission)
+    admission received and each refused request's ``RequestFailed`` (as
+    delivered to the detokenizer)."""
+    admission, detokenizer = Peer(), Peer()
+    actor = TokenizerActor(tok, MAX_MODEL_LEN, admission, detokenizer)
     actor.start()
     for r in requests:
         actor.send(r)
     await asyncio.wait_for(actor.stop(), DEADLINE_S)  # handles the inbox, then what is in flight
     assert not actor._in_flight
-    failures = {}
-    for request_id, stream in opened.items():
-        if stream.all_finished:
-            failures[request_id] = await asyncio.wait_for(anext(stream), DEADLINE_S)
+    failures = {m.request_id: m.event for m in detokenizer.received if isinstance(m, Deliver)}
+    assert len(failures) == len(detokenizer.received)
     return admission.received, failures
 
 
@@ -188,39 +187,38 @@ def test_samples_of_a_request_stay_together_and_in_order(monkeypatch, tok):
 
 @pytest.mark.parametrize("reuse_id", [False, True])
 def test_abort_while_tokenizing_leaks_nothing(tok, reuse_id):
-    """The request is aborted (and its id maybe reused) while its prompt is on
-    the pool: nothing reaches admission, the new stream sees nothing."""
+    """The request is aborted (and its id maybe reused at once) while its
+    prompt is on the pool: nothing of it reaches admission or the
+    detokenizer; the new request with the same id is admitted."""
     tok.gate = threading.Event()
 
     async def main():
-        streams, admission = StreamRegistry(), Admission()
-        streams.open("a", 2)
-        actor = TokenizerActor(tok, MAX_MODEL_LEN, streams, admission)
+        admission, detokenizer = Peer(), Peer()
+        actor = TokenizerActor(tok, MAX_MODEL_LEN, admission, detokenizer)
         actor.start()
         actor.send(request("a", prompt=LONG_TEXT, n=2))
         assert await asyncio.to_thread(tok.entered.wait, DEADLINE_S)
         assert actor._in_flight
-        streams.close("a")  # what AsyncEngine.abort does
-        new_stream = streams.open("a", 1) if reuse_id else None
+        actor.send(AbortRequest(("a-0", "a-1")))  # what AsyncEngine.abort sends
+        if reuse_id:
+            actor.send(request("a", prompt=LONG_TEXT[:5000]))
+        await asyncio.sleep(0)
         tok.gate.set()
         await asyncio.wait_for(actor.stop(), DEADLINE_S)
-        assert not actor._in_flight and admission.received == []
-        if new_stream is not None:
-            assert streams.is_open("a") and new_stream._queue.empty()
-        else:
-            assert len(streams) == 0
+        assert not actor._in_flight and not actor._preparing and not actor._aborted
+        assert detokenizer.received == [] and admission.received == [] if not reuse_id else [
+            (m.request_id, len(m.prompt_token_ids)) for m in admission.received] == [
+            ("a", len(tok._tok.encode(LONG_TEXT[:5000])))]
 
     asyncio.run(main())
 
 
-class Streams:
-    """Stands in for the registry on the detokenizer's side."""
-
-    def __init__(self) -> None:
-        self.outputs = []
-
-    def put(self, request_id, event) -> None:
-        self.outputs.append(event)
+def stream_events(stream: RequestStream) -> list:
+    """The events written to ``stream`` so far."""
+    events = []
+    while not stream._queue.empty():
+        events.append(stream._queue.get_nowait())
+    return events
 
 
 def test_detokenizer_window_stays_bounded_over_special_tokens(tok):
@@ -229,21 +227,27 @@ def test_detokenizer_window_stays_bounded_over_special_tokens(tok):
     text_ids = tok._tok.encode(LONG_TEXT)[:300]
     special = tok._tok.all_special_ids[1]
     ids = text_ids[:150] + [special] * 600 + text_ids[150:]
-    streams = Streams()
-    detok = DetokenizerActor(tok, streams)
+    detok = DetokenizerActor(tok, Peer())
+    stream = RequestStream("r", 1)
     params = SamplingParams(max_tokens=2000, stop=["never appears"])
-    detok._register(TokenizedRequest(request_id="r", parent_id="r", index=0,
-                                     prompt_token_ids=(1,), sampling_params=params,
-                                     arrival_time=0.0))
-    tok.calls.clear()
-    for i, token_id in enumerate(ids):
-        detok._on_delta(TokenDelta("r", (token_id,),
-                                   finish_reason="length" if i == len(ids) - 1 else None))
+
+    async def main():
+        await detok.handle(OpenStream("r", 1, stream))
+        await detok.handle(TokenizedRequest(request_id="r", parent_id="r", index=0,
+                                            prompt_token_ids=(1,), sampling_params=params,
+                                            arrival_time=0.0))
+        tok.calls.clear()
+        for i, token_id in enumerate(ids):
+            await detok.handle(TokenDelta(
+                "r", (token_id,), finish_reason="length" if i == len(ids) - 1 else None))
+
+    asyncio.run(main())
     windows = [size for what, _, size in tok.calls if what == "decode"]
     assert windows and max(windows) <= 8
-    assert "".join(o.text for o in streams.outputs) == tok._tok.decode(ids)
-    assert sum(len(o.token_ids) for o in streams.outputs) == len(ids)
-    assert streams.outputs[-1].finish_reason == "length"
+    outputs = stream_events(stream)
+    assert "".join(o.text for o in outputs) == tok._tok.decode(ids)
+    assert sum(len(o.token_ids) for o in outputs) == len(ids)
+    assert outputs[-1].finish_reason == "length"
 
 
 def test_a_prompt_longer_than_the_context_can_hold_is_refused_untokenized(tok):

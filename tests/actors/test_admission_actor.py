@@ -7,28 +7,28 @@ import asyncio
 from actor_support import Inbox
 
 from kvserve.actors.admission import AdmissionActor
-from kvserve.actors.messages import (AbortRequest, CapacityReport, ReleaseRequests,
-                                     RequestAccepted, RequestFailed, TokenDelta,
+from kvserve.actors.messages import (AbortRequest, CapacityReport, Deliver, ReleaseRequests,
+                                     RequestAccepted, RequestFailed, RequestQueued, TokenDelta,
                                      TokenizedRequest)
-from kvserve.actors.registry import StreamRegistry
 from kvserve.core.admission_queue import AdmissionLimits, AdmissionQueue, SchedulerCapacity
 from kvserve.core.sampling_params import SamplingParams
 
 
 def make_actor(**limits):
-    streams = StreamRegistry()
-    scheduler, detokenizer = Inbox(), Inbox()
+    scheduler, detokenizer, stats = Inbox(), Inbox(), Inbox()
     queue = AdmissionQueue(AdmissionLimits(**limits), block_size=4, max_chunk_tokens=64)
-    actor = AdmissionActor(streams, scheduler, detokenizer, queue, eos_token_ids=(2,))
-    return actor, streams, scheduler, detokenizer
+    actor = AdmissionActor(scheduler, detokenizer, stats, queue, eos_token_ids=(2,))
+    return actor, stats, scheduler, detokenizer
 
 
-def arrive(actor, streams, rid, num_tokens=4, priority=0):
-    stream = streams.open(rid, 1)
+def arrive(actor, detokenizer, rid, num_tokens=4, priority=0):
+    """``rid`` reaches admission; the answer its client gets (acceptance or
+    refusal), as delivered to the detokenizer."""
     handle(actor, TokenizedRequest(rid, rid, 0, tuple(range(num_tokens)),
                                    SamplingParams(max_tokens=4), arrival_time=0.0,
                                    priority=priority))
-    return stream
+    (answer,) = [m.event for m in detokenizer.take(Deliver) if m.request_id == rid]
+    return answer
 
 
 def handle(actor, message):
@@ -46,11 +46,11 @@ def released(scheduler):
 
 
 def test_queues_then_releases_on_capacity_and_answers_when_asked():
-    actor, streams, scheduler, _ = make_actor()
+    actor, stats, scheduler, detokenizer = make_actor()
     handle(actor, report(free_seqs=1, released_seen=0))
-    stream = arrive(actor, streams, "a")
-    assert isinstance(stream._queue.get_nowait(), RequestAccepted)
-    arrive(actor, streams, "b")
+    assert isinstance(arrive(actor, detokenizer, "a"), RequestAccepted)
+    assert [m.request_id for m in stats.take(RequestQueued)] == ["a"]
+    arrive(actor, detokenizer, "b")
     assert released(scheduler) == ["a"]  # one slot
     handle(actor, report(free_seqs=0, released_seen=1, wants=True))
     (answer,) = scheduler.take(ReleaseRequests)
@@ -60,34 +60,33 @@ def test_queues_then_releases_on_capacity_and_answers_when_asked():
 
 
 def test_refusals_are_4xx_and_queue_nothing():
-    actor, streams, scheduler, _ = make_actor(max_waiting_requests=1)
+    actor, stats, scheduler, detokenizer = make_actor(max_waiting_requests=1)
     handle(actor, report(free_seqs=0, released_seen=0))
-    arrive(actor, streams, "a")
-    stream = arrive(actor, streams, "b")
-    failed = stream._queue.get_nowait()
+    arrive(actor, detokenizer, "a")
+    failed = arrive(actor, detokenizer, "b")
     assert isinstance(failed, RequestFailed) and failed.status == 429
     assert "--max-waiting-requests 1" in failed.message
-    stream = arrive(actor, streams, "c", priority=3)  # fcfs
-    failed = stream._queue.get_nowait()
+    failed = arrive(actor, detokenizer, "c", priority=3)  # fcfs
     assert failed.status == 400 and failed.param == "priority"
     assert actor.queue.num_waiting == 1
+    assert [m.request_id for m in stats.take(RequestQueued)] == ["a"]
 
 
 def test_a_returned_request_goes_ahead_of_later_arrivals():
-    actor, streams, scheduler, _ = make_actor()
+    actor, _, scheduler, detokenizer = make_actor()
     handle(actor, report(free_seqs=1, released_seen=0))
-    arrive(actor, streams, "first")
+    arrive(actor, detokenizer, "first")
     (first,) = scheduler.take(ReleaseRequests)[0].requests
-    arrive(actor, streams, "second")
+    arrive(actor, detokenizer, "second")
     handle(actor, report(free_seqs=0, released_seen=1, returned=[first]))  # e.g. preempted
     handle(actor, report(free_seqs=2, released_seen=1))
     assert released(scheduler) == ["first", "second"]
 
 
 def test_abort_of_a_queued_request_ends_it_here():
-    actor, streams, scheduler, detokenizer = make_actor()
+    actor, _, scheduler, detokenizer = make_actor()
     handle(actor, report(free_seqs=0, released_seen=0))
-    arrive(actor, streams, "a")
+    arrive(actor, detokenizer, "a")
     handle(actor, AbortRequest(("a",)))
     (delta,) = detokenizer.take(TokenDelta)
     assert delta.request_id == "a" and delta.finish_reason == "abort"
@@ -96,9 +95,9 @@ def test_abort_of_a_queued_request_ends_it_here():
 
 
 def test_abort_of_a_released_request_goes_to_the_scheduler():
-    actor, streams, scheduler, detokenizer = make_actor()
+    actor, _, scheduler, detokenizer = make_actor()
     handle(actor, report(free_seqs=1, released_seen=0))
-    arrive(actor, streams, "a")
+    arrive(actor, detokenizer, "a")
     handle(actor, AbortRequest(("a", "unknown")))
     (forwarded,) = scheduler.take(AbortRequest)
     assert forwarded.request_ids == ("a",)
@@ -110,9 +109,9 @@ def test_abort_that_crosses_a_request_travelling_back_still_ends_it():
     """The scheduler handed "a" back just as its abort reached admission:
     admission forwards the abort (the scheduler no longer has it), and ends
     "a" itself when it arrives, instead of queueing it again."""
-    actor, streams, scheduler, detokenizer = make_actor()
+    actor, _, scheduler, detokenizer = make_actor()
     handle(actor, report(free_seqs=1, released_seen=0))
-    arrive(actor, streams, "a")
+    arrive(actor, detokenizer, "a")
     (a,) = scheduler.take(ReleaseRequests)[0].requests
     handle(actor, AbortRequest(("a",)))
     assert scheduler.take(AbortRequest)

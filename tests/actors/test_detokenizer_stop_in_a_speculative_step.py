@@ -6,20 +6,17 @@ detokenizer hands the scheduler for the lifecycle log."""
 
 import asyncio
 
-from test_detokenizer_errors import ByteTokenizer, events
+from test_detokenizer_errors import ByteTokenizer, events, open_stream
 
 from actor_support import Inbox
 from kvserve.actors.detokenizer import DetokenizerActor
 from kvserve.actors.messages import AbortRequest, RequestOutput, TokenDelta, TokenizedRequest
-from kvserve.actors.registry import StreamRegistry
 from kvserve.core.sampling_params import SamplingParams
 
 
 def run(stop, include, deltas):
-    streams = StreamRegistry()
-    stream = streams.open("r", 1)
-    actor = DetokenizerActor(ByteTokenizer(), streams)
-    actor.admission = Inbox()
+    actor = DetokenizerActor(ByteTokenizer(), Inbox())
+    stream = open_stream(actor, "r", 1)
     params = SamplingParams(stop=stop, include_stop_str_in_output=include)
     asyncio.run(actor.handle(TokenizedRequest("r", "r", 0, (1, 2), params, arrival_time=0.0)))
     for tokens in deltas:

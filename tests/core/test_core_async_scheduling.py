@@ -100,7 +100,7 @@ def test_a_preempted_request_that_stops_on_the_token_in_flight_finishes_from_the
     assert [p.request_id for p in second.preemptions] == ["b"]
     updates = {u.request_id: u for u in sched.update_from_output(first, {"a": [GEN], "b": [EOS]})}
     assert updates["b"].finish_reason is not None
-    assert "b" not in sched.requests and not any(r.request_id == "b" for r in sched.waiting)
+    assert "b" not in sched.requests and not any(r.request_id == "b" for r in sched.staged)
     sched.update_from_output(second, {"a": [GEN]})
     sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     assert manager.num_free_blocks == manager.num_blocks

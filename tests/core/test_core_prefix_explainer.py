@@ -215,7 +215,7 @@ def test_scheduler_actor_logs_each_divergence():
 
     sched = make_sched()
     sched.kv_cache_manager.stats.divergences = 1
-    actor = SchedulerActor(sched)
+    actor = SchedulerActor(sched, *(SchedulerActor.mailbox() for _ in range(4)))
     with capture_logs() as logs:
         actor._log_divergence(PrefixCacheDivergence("req-1", 3, 1024, 0))
     (entry,) = logs

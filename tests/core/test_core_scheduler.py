@@ -150,7 +150,7 @@ def test_budget_cuts_admitted_prompt():
     out, _ = step(sched)
     assert [(s.request_id, s.num_tokens, s.sample) for s in out.scheduled] == [
         ("a", 6, True), ("b", 4, False)]
-    assert sched.num_waiting == 0 and sched.num_waiting_tokens == 0
+    assert sched.num_staged == 0 and sched.num_staged_tokens == 0
 
 
 def _preemption_setup(policy):

@@ -182,10 +182,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert req.status is RequestStatus.RUNNING
             held = len(self.manager.get_block_ids(req.request_id))
             assert held >= cdiv(req.num_computed_tokens, BS)
-        for req in self.sched.waiting:
+        for req in self.sched.staged:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert req.num_computed_tokens == 0 and req.num_output_placeholders == 0
-        assert len(running) + len(self.sched.waiting) == len(self.sched.requests)
+        assert len(running) + len(self.sched.staged) == len(self.sched.requests)
         assert len(running) <= self.config.max_num_seqs
 
     def teardown(self):

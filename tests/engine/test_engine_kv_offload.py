@@ -91,8 +91,8 @@ def test_an_engine_attached_to_the_tier_loads_what_another_evicted(engine_loop, 
     other = engine_loop.start(engine_loop.config(
         cache=CacheConfig(kv_cache_memory=CACHE_BLOCKS * BLOCK_BYTES)))
     try:
-        other.engine.attach_offload_tier(str(offload_engine.engine.core.runner.kv_connector
-                                             .tier.path))
+        other.run(other.engine.attach_offload_tier(
+            str(offload_engine.engine.core.runner.kv_connector.tier.path)))
         offload_engine.generate(prefix, greedy(MAX_TOKENS))
         offload_engine.generate(evictor, greedy(1))
         result = other.generate(prefix, greedy(MAX_TOKENS)).only

@@ -9,7 +9,7 @@ from kvserve.core.kv_transfer import BlockTransfer
 from kvserve.core.outputs import SchedulerOutput
 from kvserve.cpu.ops import CpuOps
 from kvserve.distributed.host_tier import BlockLost
-from kvserve.distributed.kv_connector import build_kv_connector
+from kvserve.distributed.kv_connector import KVLayout, build_kv_connector
 
 LAYERS, BLOCKS, BS, NKV, HD = 3, 6, 4, 1, 2
 
@@ -40,7 +40,7 @@ def connector(tmp_path, monkeypatch):
     monkeypatch.setattr("kvserve.distributed.host_tier.default_directory", lambda: tmp_path)
     block_bytes = LAYERS * 2 * BS * NKV * HD * 4
     config = CacheConfig(kv_offloading_size=4 * block_bytes / 2**30)
-    c = build_kv_connector(CpuOps(), caches(), config, "test-model")
+    c = build_kv_connector(CpuOps(), KVLayout.of(caches(), "test-model"), config)
     yield c
     c.close()
 
@@ -50,7 +50,7 @@ def test_saved_blocks_load_back_into_other_blocks(connector):
     assert connector.tier.num_slots == 4
     result = connector.run(kv, output(saves=[BlockTransfer("", 1, h(1)), BlockTransfer("", 2, h(2))]))
     assert result.stats.by_direction["offload"][:2] == [2, 2 * connector.tier.slot_bytes]
-    assert connector.lookup([h(1), h(2), h(3)]) == 2
+    assert connector.tier.lookup([h(1), h(2), h(3)]) == 2
     connector.run(kv, output(loads=[BlockTransfer("r", 4, h(1)), BlockTransfer("r", 5, h(2))]))
     for layer in range(LAYERS):
         assert (kv[layer][4] == 100 * layer + 1).all() and (kv[layer][5] == 100 * layer + 2).all()
@@ -70,7 +70,7 @@ def test_saves_run_before_loads_into_the_same_block(connector):
 def test_blocks_of_a_failed_step_are_not_saved(connector):
     connector.poison([1])
     connector.run(caches(), output(saves=[BlockTransfer("", 1, h(1)), BlockTransfer("", 2, h(2))]))
-    assert connector.lookup([h(1)]) == 0 and connector.lookup([h(2)]) == 1
+    assert connector.tier.lookup([h(1)]) == 0 and connector.tier.lookup([h(2)]) == 1
 
 
 def test_exports_gather_blocks_in_order_and_imports_load_them(connector):
@@ -111,8 +111,10 @@ def test_a_block_missing_from_the_tier_fails_the_load(connector):
         connector.run(caches(), output(loads=[BlockTransfer("r", 0, h(7))]))
 
 
-def test_without_a_tier_nothing_is_looked_up(tmp_path):
-    c = build_kv_connector(CpuOps(), caches(), CacheConfig(), "m")
-    assert c.tier is None and c.lookup([h(1)]) == 0
+def test_without_a_tier_no_connector_is_built_and_a_lazy_one_loads_only_imports():
+    layout = KVLayout.of(caches(), "m")
+    assert build_kv_connector(CpuOps(), layout, CacheConfig()) is None
+    c = layout.connector(CpuOps())
+    assert c.tier is None
     with pytest.raises(BlockLost, match="imported"):
         c.run(caches(), output(loads=[BlockTransfer("r", 0, h(1))]))

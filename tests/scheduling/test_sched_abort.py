@@ -53,7 +53,7 @@ def http(app_server):
 async def _engine_state(engine, request_id: str | None = None) -> dict:
     scheduler = engine.core.scheduler
     snap = await kv_snapshot(engine)
-    return {"num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
+    return {"num_running": scheduler.num_running, "num_waiting": engine.load.num_waiting,
             "usage": snap.usage, "held": snap.held,
             "live": request_id is not None and scheduler.get_request(request_id) is not None}
 

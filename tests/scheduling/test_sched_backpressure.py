@@ -95,7 +95,7 @@ def test_waiting_tokens_limit_429_names_the_flag(sched_loop):
 
     async def then():
         first, first_task = submit(handle.engine, "tok-first", prompt, greedy(2))
-        await wait_until(lambda: handle.scheduler.num_waiting == 1, 30, "first one waiting")
+        await wait_until(lambda: handle.engine.load.num_waiting == 1, 30, "first one waiting")
         second, second_task = submit(handle.engine, "tok-second", prompt, greedy(2))
         await asyncio.gather(first_task, second_task)
         return first, second

@@ -48,7 +48,7 @@ async def _urgent_after_queue(handle, low: int, tag: str):
     long, long_task = submit(engine, f"{tag}-long", ids, greedy(LONG_TOKENS), low)
     await wait_until(lambda: long.first_output_at is not None, 60, "long request running")
     lows = [submit(engine, f"{tag}-low-{i}", ids, greedy(SHORT_TOKENS), low) for i in range(5)]
-    await wait_until(lambda: sched.num_waiting == 5, 30, "five low-priority requests waiting")
+    await wait_until(lambda: engine.load.num_waiting == 5, 30, "five low-priority requests waiting")
     assert sched.num_running == 1 and sched.get_request(long.request_id) is not None
     urgent, urgent_task = submit(engine, f"{tag}-urgent", ids, greedy(SHORT_TOKENS), 0)
     await asyncio.gather(long_task, urgent_task, *(task for _, task in lows))

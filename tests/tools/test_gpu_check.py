@@ -270,15 +270,17 @@ def test_the_step_recorder_reads_the_cuda_ops_counters(gc):
     observer = SimpleNamespace(on_step=lambda output, start, end, times=None: SimpleNamespace(
         seconds=end - start, times=SimpleNamespace(as_dict=lambda: {"forward": 0.5}),
         batch_size=1, num_prefill_tokens=0))
+    runner = SimpleNamespace(execute=lambda output: ops.to_device(np.ones(3, np.float32)))
     recorder = gc.StepRecorder(SimpleNamespace(core=SimpleNamespace(
-        backend=SimpleNamespace(ops=ops)), observer=observer))
+        backend=SimpleNamespace(ops=ops), runner=runner), stats=SimpleNamespace(observer=observer)))
     assert recorder.missing == []
-    ops.to_device(np.ones(3, np.float32))
     output = SimpleNamespace(step_id=7, scheduled=[SimpleNamespace(start_position=9,
                                                                    num_tokens=1)])
+    runner.execute(output)  # the worker's call: the counters are read here
+    ops.to_device(np.ones(3, np.float32))  # after the step: not the step's
     observer.on_step(output, 1.0, 2.0)
     (step,) = recorder.steps
     assert (step.step_id, step.kv_tokens, step.seconds) == (7, 10, 1.0)
-    assert step.counters[1] >= 1  # the upload above
+    assert step.counters[1] == 1  # the step's upload, not the later one
     recorder.reset_counters()
     assert recorder.read() == (0, 0, 0)

@@ -1,0 +1,260 @@
+"""Start-up: load the checkpoint, profile, size the KV cache, warm up.
+
+``build_engine_core`` is the heavy, synchronous half of starting an engine,
+as a few named steps; ``kvserve.engine.AsyncEngine`` wires the actors
+around what it returns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import NamedTuple
+
+import structlog
+
+from kvserve.config import EngineConfig, ModelConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.scheduler import Scheduler
+from kvserve.distributed.kv_connector import (KVConnector, KVLayout, build_kv_connector,
+                                              log_offload_tier)
+from kvserve.model.backend import Backend, create_backend
+from kvserve.model.drafter import DraftProposer, load_draft_model
+from kvserve.model.llama import LlamaModel
+from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights
+from kvserve.model.runner import ModelRunner, profile_forward
+from kvserve.model.tokenizer import Tokenizer
+from kvserve.plan import KVCachePlan, cap_to_cache, plan_kv_cache, resolve_max_model_len
+from kvserve.structured.masks import StructuredOutputs
+
+log = structlog.get_logger("kvserve.engine")
+
+
+@dataclass
+class EngineCore:
+    """The synchronous parts, built once at start-up (heavy: loads weights)."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    backend: Backend
+    runner: ModelRunner
+    scheduler: Scheduler
+    plan: KVCachePlan
+    max_model_len: int
+    #: A KV block outside the cache: shape, dtype, model fingerprint (for
+    #: the KV connector and the offload tier).
+    kv_layout: KVLayout
+
+
+def build_engine_core(config: EngineConfig) -> EngineCore:
+    """Load the checkpoint, size the KV cache and build runner and scheduler.
+
+    Call it on the thread that will run the steps (the worker's): the
+    backend's buffers and streams belong to it. The weights keep the
+    checkpoint's dtype until the backend converts them to its own.
+    ``max_model_len`` is the checkpoint's context length, capped by
+    ``SchedulerConfig.max_model_len`` and by the KV cache size (a request must
+    fit alone), with a warning when the cache caps it. Raises
+    ``BackendUnavailable`` when the backend cannot run here.
+
+    The steps, in order: ``_load_checkpoint`` (config and tokenizer), the
+    backend (``create_backend``), ``_load_model`` (weights, model, draft),
+    ``_size_kv_cache`` (profile and plan), ``_build_runner`` (structured
+    outputs, KV connector), ``_warm_up`` (kernels, CUDA graphs),
+    ``_build_scheduler``, ``_log_ready`` (the start-up lines).
+    """
+    t0 = time.monotonic()
+    path, model_config, tokenizer = _load_checkpoint(config)
+    backend = create_backend(config)
+    loaded = _load_model(config, path, model_config, tokenizer, backend)
+    plan = _size_kv_cache(config, model_config, backend, loaded)
+    runner, layout = _build_runner(config, path, model_config, backend, loaded, plan)
+    _warm_up(config, backend, loaded.model, runner, plan.max_model_len)
+    scheduler = _build_scheduler(config, plan, layout, runner.kv_connector)
+    _log_ready(config, path, backend, plan, loaded.weights_bytes, time.monotonic() - t0)
+    return EngineCore(config, model_config, tokenizer, backend, runner, scheduler, plan,
+                      plan.max_model_len, layout)
+
+
+class _LoadedModel(NamedTuple):
+    """What ``_load_model`` built: the model, its draft model (or None) and
+    the bytes both take on the backend."""
+
+    model: LlamaModel
+    draft: LlamaModel | None
+    weights_bytes: int
+
+
+def _load_checkpoint(config: EngineConfig) -> tuple[Path, ModelConfig, Tokenizer]:
+    """The checkpoint folder, its ``ModelConfig`` and tokenizer; logs
+    ``engine_loading`` first. Raises what the loader raises (a missing or
+    unreadable checkpoint)."""
+    path = Path(config.model)
+    log.info("engine_loading", model=str(path), message=f"Loading {path.name} "
+             f"({sum(p.stat().st_size for p in path.glob('*.safetensors')) / 2**20:,.1f} MiB "
+             f"of safetensors) on the {config.backend} backend...")
+    return path, load_model_config(path), Tokenizer(path)
+
+
+def _load_model(config: EngineConfig, path: Path, model_config: ModelConfig,
+                tokenizer: Tokenizer, backend: Backend) -> _LoadedModel:
+    """The weights on the backend (``--quantization`` applied; GGUF blocks
+    for ``q4``), the model over them and the speculative draft model when
+    one is configured; logs ``quantization`` for a quantized model."""
+    weights = load_weights(path, model_config, dtype=None)
+    float_bytes = sum(array.size for array in weights.values()) * backend.dtype.itemsize
+    if config.quantization == "q4":
+        weights.update(load_gguf_blocks(path, model_config))
+    model = LlamaModel(model_config, weights, backend.ops, config.quantization)
+    del weights
+    spec = config.scheduler.speculative
+    draft = (load_draft_model(spec, model_config, tokenizer, backend.ops)
+             if spec is not None and spec.uses_draft_model else None)
+    weights_bytes = model.weights_nbytes + (draft.weights_nbytes if draft is not None else 0)
+    if config.quantization != "none":
+        _log_quantization(config.quantization, model_config, float_bytes, weights_bytes,
+                          backend.dtype.itemsize)
+    return _LoadedModel(model, draft, weights_bytes)
+
+
+def _size_kv_cache(config: EngineConfig, model_config: ModelConfig, backend: Backend,
+                   loaded: _LoadedModel) -> KVCachePlan:
+    """The KV cache's plan: the bytes the backend allows after the weights
+    and a profiling forward pass at the largest step, in blocks, with
+    ``max_model_len`` capped to what the cache holds (warning
+    ``max_model_len_capped``). Raises ``ValueError`` when nothing is left."""
+    requested = resolve_max_model_len(model_config, config.scheduler.max_model_len)
+    kv_bytes = backend.kv_cache_bytes(model_config, loaded.weights_bytes, lambda: profile_forward(
+        loaded.model, backend.ops, config.scheduler.max_num_batched_tokens,
+        config.cache.block_size))
+    draft = loaded.draft.config if loaded.draft is not None else None
+    plan = cap_to_cache(plan_kv_cache(model_config, replace(config.cache, kv_cache_memory=kv_bytes),
+                                      requested, backend.dtype.itemsize, draft))
+    if plan.max_model_len < requested:
+        log.warning("max_model_len_capped", max_model_len=plan.max_model_len,
+                    requested=requested,
+                    reason="KV cache holds fewer tokens than the context length")
+    return plan
+
+
+def _build_runner(config: EngineConfig, path: Path, model_config: ModelConfig,
+                  backend: Backend, loaded: _LoadedModel,
+                  plan: KVCachePlan) -> tuple[ModelRunner, KVLayout]:
+    """The model runner over a KV cache of ``plan``'s blocks, with
+    structured outputs (llguidance loads on the first constrained request),
+    the draft proposer, and a KV connector when an offload tier is
+    configured (``runner.kv_connector``, else None; its tier logged); and
+    the layout of a KV block outside the cache."""
+    structured = StructuredOutputs(path / "tokenizer.json", model_config.vocab_size,
+                                   model_config.eos_token_ids)
+    draft = loaded.draft
+    runner = ModelRunner(model_config, loaded.model, backend.ops, plan.num_blocks,
+                         plan.block_size, logprobs_mode=config.logprobs_mode, seed=config.seed,
+                         structured=structured,
+                         drafter=None if draft is None else DraftProposer(
+                             draft, backend.ops, plan.num_blocks, plan.block_size, config.seed,
+                             max_catch_up=config.scheduler.max_num_batched_tokens))
+    layout = KVLayout.of(runner.kv_caches, model_fingerprint(path, config, backend))
+    runner.kv_connector = build_kv_connector(backend.ops, layout, config.cache)
+    if runner.kv_connector is not None:
+        log_offload_tier(runner.kv_connector)
+    return runner, layout
+
+
+def _warm_up(config: EngineConfig, backend: Backend, model: LlamaModel, runner: ModelRunner,
+             max_model_len: int) -> None:
+    """Compile every kernel once; on CUDA, capture the decode step's graphs
+    (``runner.graphs``; None with ``--enforce-eager`` or where capture fails)."""
+    backend.warmup()
+    if backend.name == "cuda":
+        from kvserve.cuda.backend import capture_graphs
+        runner.graphs = capture_graphs(backend, model, runner.kv_caches,
+                                       config.scheduler.max_num_seqs, max_model_len)
+
+
+def _build_scheduler(config: EngineConfig, plan: KVCachePlan, layout: KVLayout,
+                     connector: KVConnector | None) -> Scheduler:
+    """The scheduler over a block manager of ``plan``'s blocks, which looks
+    blocks up in the offload tier when there is one, through a mapping of
+    its own (the connector is the worker's)."""
+    tier = connector.tier if connector is not None else None
+    use_tier = tier is not None and config.cache.enable_prefix_caching
+    external = layout.attach_tier(tier.path) if use_tier else None
+    kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching,
+                        external=external)
+    return Scheduler(replace(config.scheduler, max_model_len=plan.max_model_len), kv,
+                     plan.block_size)
+
+
+def _log_ready(config: EngineConfig, path: Path, backend: Backend, plan: KVCachePlan,
+               weights_bytes: int, seconds: float) -> None:
+    """The start-up lines: ``kv_cache_size``, ``max_concurrency``,
+    ``speculative_config``, ``scheduler_config``, ``engine_loaded``."""
+    log.info("kv_cache_size", message=f"KV cache size: {plan.num_tokens:,} tokens",
+             num_tokens=plan.num_tokens, num_blocks=plan.num_blocks,
+             block_size=plan.block_size, kv_bytes_per_token=plan.bytes_per_token)
+    max_len = plan.max_model_len
+    log.info("max_concurrency", message=f"Maximum concurrency for {max_len:,} tokens per "
+             f"request: {plan.max_concurrency:.2f}x", max_model_len=max_len,
+             max_concurrency=round(plan.max_concurrency, 2))
+    sched = config.scheduler
+    _log_speculative(sched)
+    step_ms = None if sched.max_step_seconds is None else round(sched.max_step_seconds * 1000, 1)
+    log.info("scheduler_config", message=f"Step budget: {sched.max_num_batched_tokens} tokens"
+             + (f", step-time target {step_ms} ms" if step_ms else "")
+             + f", at most {sched.max_num_seqs} sequences, {sched.policy} policy, "
+             + f"{sched.max_steps_in_flight} step(s) in flight",
+             max_num_batched_tokens=sched.max_num_batched_tokens, max_step_ms=step_ms,
+             max_num_seqs=sched.max_num_seqs, policy=sched.policy,
+             async_scheduling=sched.async_scheduling)
+    seconds = round(seconds, 3)
+    log.info("engine_loaded", model=str(path), backend=backend.name,
+             dtype=str(backend.dtype), weights_bytes=weights_bytes, seconds=seconds,
+             message=f"Loaded in {seconds} s: {weights_bytes / 2**20:,.1f} MiB of weights, "
+                     f"{plan.num_tokens:,} KV tokens")
+
+
+def model_fingerprint(path: Path, config: EngineConfig, backend: Backend) -> str:
+    """What the K/V of a block depend on besides its tokens: the model's
+    config.json, the weights' quantization and the backend's dtype. Engines
+    share an offload tier only if their fingerprints are equal."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    digest.update(f"|{config.quantization}|{backend.name}|{backend.dtype}".encode())
+    return f"{path.name}:{digest.hexdigest()[:16]}"
+
+
+def _log_speculative(sched) -> None:
+    spec = sched.speculative
+    if spec is None:
+        return
+    if spec.uses_draft_model:
+        log.info("speculative_config", method=spec.method,
+                 num_speculative_tokens=spec.num_speculative_tokens, draft_model=spec.model,
+                 draft_quantization=spec.quantization,
+                 message=f"Speculative decoding: draft model {spec.model} "
+                         f"({spec.quantization}), up to {spec.num_speculative_tokens} draft "
+                         "tokens per step")
+        return
+    log.info("speculative_config", method=spec.method,
+             num_speculative_tokens=spec.num_speculative_tokens,
+             prompt_lookup_max=spec.prompt_lookup_max, prompt_lookup_min=spec.prompt_lookup_min,
+             message=f"Speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} "
+                     f"draft tokens per step (suffixes of {spec.prompt_lookup_min}-"
+                     f"{spec.prompt_lookup_max} tokens)")
+
+
+def _log_quantization(scheme: str, model: ModelConfig, float_bytes: int, weights_bytes: int,
+                      dtype_bytes: int) -> None:
+    """``quantization``: weight bytes before and after, and the KV tokens the
+    saved bytes would hold (at this model's KV bytes per token)."""
+    saved = float_bytes - weights_bytes
+    tokens = max(saved, 0) // model.kv_bytes_per_token(dtype_bytes)
+    log.info("quantization", message=f"Quantization {scheme}: weights {float_bytes / 2**20:,.1f} "
+             f"MiB -> {weights_bytes / 2**20:,.1f} MiB; the {saved / 2**20:,.1f} MiB saved hold "
+             f"{tokens:,} more KV tokens", quantization=scheme, float_weights_bytes=float_bytes,
+             weights_bytes=weights_bytes, kv_tokens_gained=tokens)
+
+
