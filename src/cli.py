@@ -185,8 +185,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\nSee '{self.prog} --help' for the options.\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``kvserve`` argument parser with its sub-commands."""
+#: Sub-commands whose arguments live in tooling modules (NumPy, the replay
+#: client): those modules are imported only to parse their own command.
+TOOL_COMMANDS = ("analyze", "bench")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``kvserve`` argument parser with its sub-commands.
+
+    ``command``: the sub-command about to be parsed (``main`` passes the
+    first word of argv). The arguments of ``analyze`` and ``bench`` are added
+    only for that command or for None (every command: docs and tests), so
+    ``kvserve serve`` never imports the log analyser or the bench client."""
     parser = _Parser(prog="kvserve", description="kvserve LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -226,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "set-up)")
     serve.add_argument("--fault-injection", type=_fault_injection, default=None,
                        metavar="JSON", help="TESTS ONLY: make steps fail or actors die "
-                       "on purpose (kvserve.faults); never in production")
+                       "on purpose (kvserve.testing.faults); never in production")
     gen = sub.add_parser("generate", help="generate a completion for one prompt, in-process")
     _add_engine_args(gen)
     gen.add_argument("prompt")
@@ -235,19 +245,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="no chat template: a plain completion")
     sub.add_parser("fetch-model", help="fetch and convert the default model; print its folder")
     _add_plan_parser(sub)
-    from kvserve.analysis import add_arguments as add_analyze_arguments
     analyze = sub.add_parser("analyze", help="analyse a kvserve JSON log: phase breakdown, "
                              "percentiles, bottleneck diagnosis, Markdown report and plots")
-    add_analyze_arguments(analyze)
+    if command in (None, "analyze"):
+        from kvserve.observability.analysis import add_arguments as add_analyze_arguments
+
+        add_analyze_arguments(analyze)
     diag = sub.add_parser("diagnose", help="diagnose a running server's bottleneck from two "
                           "scrapes of its /metrics")
     diag.add_argument("--url", required=True, help="server base URL (or the /metrics URL)")
     diag.add_argument("--interval", type=POSITIVE_FLOAT, default=10.0,
                       help="seconds between the two scrapes")
     diag.add_argument("--json", action="store_true", help="print JSON")
-    from kvserve.bench.replay import add_arguments as _add_bench_args  # noqa: PLC0415
-    _add_bench_args(sub.add_parser("bench", help="replay a JSONL trace against a server "
-                                   "(tools/replay.py; see tools/README.md)"))
+    bench = sub.add_parser("bench", help="replay a JSONL trace against a server "
+                           "(tools/replay.py; see tools/README.md)")
+    if command in (None, "bench"):
+        from kvserve.bench.replay import add_arguments as add_bench_arguments
+
+        add_bench_arguments(bench)
     return parser
 
 
@@ -278,7 +293,7 @@ def _add_plan_parser(sub) -> None:
 
 
 def _fault_injection(text: str):
-    from kvserve.faults import FaultInjection
+    from kvserve.testing.faults import FaultInjection
 
     try:
         return FaultInjection.from_json(text)
@@ -313,7 +328,7 @@ async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     from kvserve.api.http_metrics import instrument
     from kvserve.api.server import DrainingServer, fit_file_limit, uvicorn_config
 
-    from kvserve.metrics import ServerMetrics, metrics_route
+    from kvserve.observability.metrics import ServerMetrics, metrics_route
 
     api_key = resolve_api_key(args, os.environ)  # before minutes of loading, not after
     _require_model_folder(engine_config.model)
@@ -533,7 +548,7 @@ def _plan(args: argparse.Namespace) -> int:
     holds no KV block)."""
     import json
 
-    from kvserve.plan import format_plan, plan_capacity
+    from kvserve.core.plan import format_plan, plan_capacity
 
     try:
         if args.gpu_memory_utilization is not None and args.gpu_memory_gib is None:
@@ -567,12 +582,12 @@ def _get_text(url: str, timeout: float = 10.0) -> str:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    """Run ``kvserve diagnose``: two scrapes, the rules of ``kvserve.diagnosis``."""
+    """Run ``kvserve diagnose``: two scrapes, the rules of ``kvserve.observability.diagnosis``."""
     import json
     from dataclasses import asdict
 
-    from kvserve.diagnosis import busy_summary, diagnose, features_from_scrapes
-    from kvserve.metrics import parse_metrics_text
+    from kvserve.observability.diagnosis import busy_summary, diagnose, features_from_scrapes
+    from kvserve.observability.metrics import parse_metrics_text
 
     url = args.url.rstrip("/")
     if not url.endswith("/metrics"):
@@ -607,9 +622,11 @@ def _diagnose(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvserve`` command; returns the exit status."""
     apply_thread_pool_env()  # before anything loads NumPy (build_parser does)
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    command = next((w for w in words if not w.startswith("-")), "")
+    parser = build_parser(command)
     args = parser.parse_args(argv)
-    from kvserve.log import configure_logging
+    from kvserve.observability.log import configure_logging
 
     configure_logging(getattr(args, "log_format", "json"), getattr(args, "log_level", "info"))
     if args.command == "fetch-model":
@@ -649,7 +666,7 @@ def _run_tool(args: argparse.Namespace) -> int:
     """``kvserve analyze`` or ``kvserve bench`` (their plotting and load
     generation come with the ``bench`` extra)."""
     if args.command == "analyze":
-        from kvserve.analysis import run as run_analysis
+        from kvserve.observability.analysis import run as run_analysis
         return run_analysis(args)
     from kvserve.bench.replay import run_cli
     return run_cli(args)

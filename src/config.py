@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvserve.faults import FaultInjection
+    from kvserve.testing.faults import FaultInjection
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "raw_logits")
@@ -278,7 +278,7 @@ class ServerConfig:
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     """Bounds on compiling a request's output constraint
-    (``kvserve.structured.compiler``).
+    (``kvserve.constraints.compiler``).
 
     ``max_bytes`` (``--structured-outputs-max-bytes``): the largest schema,
     regex, grammar or list of choices accepted, in UTF-8 bytes (64 KiB: a
@@ -337,7 +337,7 @@ class EngineConfig:
     #: which ``/health`` answers 503 (``kvserve.core.stall``; vLLM's
     #: ``VLLM_ENGINE_ITERATION_TIMEOUT_S`` has the same default).
     stall_timeout: float = 60.0
-    #: Test-only faults (``kvserve.faults.FaultInjection``); None injects none.
+    #: Test-only faults (``kvserve.testing.faults.FaultInjection``); None injects none.
     fault_injection: FaultInjection | None = None
 
     def __post_init__(self) -> None:

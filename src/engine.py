@@ -44,13 +44,12 @@ from kvserve.actors.stream import RequestStream
 from kvserve.actors.tokenizer import TokenizerActor
 from kvserve.actors.worker import WorkerActor, worker_executor
 from kvserve.config import EngineConfig
+from kvserve.constraints.compiler import ConstraintCompiler
 from kvserve.core.admission_queue import AdmissionLimits, AdmissionQueue
 from kvserve.core.stall import EngineHealth
-from kvserve.faults import FaultInjection, FaultyRunner, arm_actor_death
-from kvserve.metrics import EngineMetrics
+from kvserve.observability.metrics import EngineMetrics
+from kvserve.observability.stats_logger import StatsObserver
 from kvserve.startup import EngineCore, build_engine_core  # noqa: F401 - re-exported
-from kvserve.stats_logger import StatsObserver
-from kvserve.structured.compiler import ConstraintCompiler
 
 log = structlog.get_logger("kvserve.engine")
 
@@ -62,6 +61,17 @@ STALL_WATCH_INTERVAL = 1.0
 #: The actors in data-flow order (the order they stop in).
 ACTORS = (TokenizerActor, AdmissionActor, SchedulerActor, WorkerActor, DetokenizerActor,
           StatsActor)
+
+
+def _runner_with_faults(core: EngineCore):
+    """The runner the worker drives: the core's, wrapped in a ``FaultyRunner``
+    when the config injects step faults (tests only, ``kvserve.testing``)."""
+    faults = core.config.fault_injection
+    if faults is None or not faults.faults_steps:
+        return core.runner
+    from kvserve.testing.faults import FaultyRunner
+
+    return FaultyRunner(core.runner, faults)
 
 
 class AsyncEngine:
@@ -77,7 +87,7 @@ class AsyncEngine:
     detokenizer, health questions to the scheduler, KV imports and tiers to
     the worker.
 
-    Observability: ``metrics`` (``kvserve.metrics.EngineMetrics``, its own
+    Observability: ``metrics`` (``kvserve.observability.metrics.EngineMetrics``, its own
     Prometheus registry, served as ``/metrics`` by the CLI), lifecycle and
     step log events (the stats actor's ``StatsObserver``) and an
     ``engine_stats`` line every ``stats_interval`` seconds (0 = off).
@@ -148,10 +158,7 @@ class AsyncEngine:
                                         box["admission"], box["stats"], core.config.stall_timeout,
                                         on_kv_export=self._on_kv_export,
                                         attach_tier=layout.attach_tier, inbox=box["scheduler"])
-        faults = core.config.fault_injection
-        runner = (FaultyRunner(core.runner, faults) if faults is not None and faults.faults_steps
-                  else core.runner)  # test-only faults: kvserve.faults
-        self.worker = WorkerActor(runner, box["scheduler"], executor,
+        self.worker = WorkerActor(_runner_with_faults(core), box["scheduler"], executor,
                                   make_connector=lambda: layout.connector(ops),
                                   inbox=box["worker"])
         self.detokenizer = DetokenizerActor(core.tokenizer, box["admission"],
@@ -162,10 +169,13 @@ class AsyncEngine:
         self._actors = [self.tokenizer_actor, self.admission, self.scheduler, self.worker,
                         self.detokenizer, self.stats]
 
-    def _inject_faults(self, faults: FaultInjection | None) -> None:
-        """Test-only faults (``kvserve.faults``): off unless the config asks."""
+    def _inject_faults(self, faults) -> None:
+        """Test-only faults (``kvserve.testing.faults.FaultInjection``): off
+        unless the config asks; that module is imported only then."""
         if faults is None:
             return
+        from kvserve.testing.faults import arm_actor_death
+
         log.warning("fault_injection_enabled", faults=repr(faults),
                     message="Fault injection is on: this engine fails on purpose (tests only)")
         if faults.kill_actor is not None:

@@ -20,14 +20,14 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler
 from kvserve.distributed.kv_connector import (KVConnector, KVLayout, build_kv_connector,
                                               log_offload_tier)
+from kvserve.constraints.masks import StructuredOutputs
+from kvserve.core.plan import KVCachePlan, cap_to_cache, plan_kv_cache, resolve_max_model_len
 from kvserve.model.backend import Backend, create_backend
 from kvserve.model.drafter import DraftProposer, load_draft_model
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights
 from kvserve.model.runner import ModelRunner, profile_forward
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.plan import KVCachePlan, cap_to_cache, plan_kv_cache, resolve_max_model_len
-from kvserve.structured.masks import StructuredOutputs
 
 log = structlog.get_logger("kvserve.engine")
 

@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from kvserve.cli import main
-from kvserve.plan import (GIB, GPU_RESERVED_BYTES, activation_workspace_bytes, count_parameters,
+from kvserve.core.plan import (GIB, GPU_RESERVED_BYTES, activation_workspace_bytes, count_parameters,
                           plan_capacity, read_safetensors_header)
 
 TINY = {"model_type": "llama", "vocab_size": 32, "hidden_size": 8, "intermediate_size": 16,

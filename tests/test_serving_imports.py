@@ -25,6 +25,8 @@ from kvserve.thread_env import THREAD_POOL_ENV
 ROOT = Path(__file__).resolve().parents[1]
 #: Loaded on first use, never by importing the engine or the API.
 OPTIONAL = ("ray", "llguidance", "matplotlib", "httpx", "tqdm")
+#: Test, soak and bench tooling of the package: never on the serving path.
+TOOLING = ("kvserve.testing", "kvserve.bench", "kvserve.observability.analysis")
 
 
 def run_fresh(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -64,7 +66,7 @@ class Spy:
 sys.meta_path.insert(0, Spy)
 from kvserve.cli import main
 try:
-    main(["--help"])
+    main(["bench", "--help"])  # the replay client loads NumPy
 except SystemExit:
     pass
 print(json.dumps(seen))
@@ -125,3 +127,29 @@ def test_ray_is_the_distributed_extra_and_the_test_install_brings_it():
     assert not any(r.startswith("ray") for r in project["dependencies"])
     assert extras["distributed"] == ["ray>=2.40"]
     assert "kvserve[distributed]" in extras["test"]
+
+
+_LOADED_BY_SERVE = """\
+import json, sys
+import kvserve.engine, kvserve.api.app
+from kvserve.cli import build_parser
+build_parser("serve").parse_args(["serve"])
+print(json.dumps(sorted(m for m in sys.modules if m.startswith(%r))))
+"""
+
+
+def test_the_serving_path_and_the_serve_command_import_no_test_or_bench_tooling():
+    result = run_fresh(_LOADED_BY_SERVE % (TOOLING,))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
+    # and the faults module comes in with a config that injects faults only
+    engine_source = (ROOT / "src" / "engine.py").read_text()
+    assert "\nfrom kvserve.testing" not in engine_source
+
+
+def test_the_tool_commands_still_parse_their_own_arguments():
+    from kvserve.cli import build_parser
+
+    assert build_parser("analyze").parse_args(["analyze", "log.jsonl"]).command == "analyze"
+    full = build_parser()
+    assert {"analyze", "bench"} <= set(full._subparsers._group_actions[0].choices)

@@ -5,15 +5,15 @@ with its evidence, a Markdown report and PNG plots.
 
     python tools/analyze_logs.py server.log [--out DIR] [--json] [--no-plots]
 
-Same as ``kvserve analyze``; the code is ``kvserve.analysis`` (rules in
-``kvserve.diagnosis``, shared with ``kvserve diagnose --url``).
+Same as ``kvserve analyze``; the code is ``kvserve.observability.analysis`` (rules in
+``kvserve.observability.diagnosis``, shared with ``kvserve diagnose --url``).
 """
 
 from __future__ import annotations
 
 import sys
 
-from kvserve.analysis import main
+from kvserve.observability.analysis import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,7 +8,7 @@ chat request of ``--tokens`` tokens (EOS ignored).
 - ``with``: the neighbour while another client sends, for each constraint
   field (``guided_json``, ``response_format``, ``guided_regex``,
   ``guided_choice``, ``guided_grammar``, ``tools``), the largest constraint
-  the server accepts (new to its compile cache: ``kvserve.bench.hostile``;
+  the server accepts (new to its compile cache: ``kvserve.testing.hostile``;
   tools only over the limit: a tool's schema is also prompt, so the largest
   one accepted is bounded by the context and costs what its prompt's
   prefill costs, as any long prompt would, which the other phases measure
@@ -48,10 +48,10 @@ import time
 try:
     import httpx
 
-    from kvserve.bench.hostile import Neighbour, constraint_round, send_constraint, without_constraint
+    from kvserve.testing.hostile import Neighbour, constraint_round, send_constraint, without_constraint
     from kvserve.bench.replay import git_info, machine_info
     from kvserve.bench.server import ServerProcess
-    from kvserve.bench.soak import percentile
+    from kvserve.testing.soak import percentile
     from kvserve.model.default_model import ensure_default_model
 except ModuleNotFoundError as exc:  # run outside the venv
     sys.exit(f"{exc}: run it with the project's venv: .venv/bin/python {sys.argv[0]} "

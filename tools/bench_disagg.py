@@ -31,8 +31,8 @@ from kvserve.bench.replay import run_replay, summarize_all
 from kvserve.bench.server import ServerProcess
 from kvserve.bench.trace import TraceRequest
 from kvserve.bench.workload import synth_text
-from kvserve.metrics import parse_metrics_text
 from kvserve.model.default_model import ensure_default_model
+from kvserve.observability.metrics import parse_metrics_text
 
 CONFIGS = {"aggregated": ["--data-parallel-size", "2"],
            "disaggregated": ["--prefill-replicas", "1", "--decode-replicas", "1"]}

@@ -30,8 +30,8 @@ import httpx
 import numpy as np
 
 from kvserve.bench.server import ServerProcess
-from kvserve.metrics import parse_metrics_text
 from kvserve.model.default_model import ensure_default_model
+from kvserve.observability.metrics import parse_metrics_text
 
 TOPICS = ["a library", "a bakery", "a train station", "a museum", "a bank", "a hospital",
           "a hotel", "a garden centre"]

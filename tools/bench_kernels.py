@@ -23,7 +23,7 @@ import numba
 import numpy as np
 
 from kvserve.cpu.ops import CpuOps
-from kvserve.model.reference import reference_attention
+from kvserve.testing.reference import reference_attention
 
 NH, NKV, HD, BS = 9, 3, 64, 16  # SmolLM2-135M attention shapes, block size 16
 

@@ -36,8 +36,8 @@ from kvserve.bench.replay import send_request
 from kvserve.bench.server import ServerProcess
 from kvserve.bench.trace import TraceRequest
 from kvserve.bench.workload import synth_text
-from kvserve.metrics import parse_metrics_text
 from kvserve.model.default_model import ensure_default_model
+from kvserve.observability.metrics import parse_metrics_text
 
 
 def prompts(trial: int, args: argparse.Namespace) -> tuple[str, str, str]:

@@ -28,7 +28,7 @@ from kvserve.actors.messages import GenerateRequest, RequestFailed, RequestOutpu
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine import AsyncEngine
-from kvserve.log import configure_logging
+from kvserve.observability.log import configure_logging
 
 
 async def _stream(engine: AsyncEngine, rid: str, prompt: list[int], max_tokens: int,

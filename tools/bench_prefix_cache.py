@@ -301,7 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from kvserve.log import configure_logging
+    from kvserve.observability.log import configure_logging
     from kvserve.model.default_model import ensure_default_model
     from kvserve.model.loader import load_model_config
     from kvserve.model.tokenizer import Tokenizer

@@ -17,7 +17,7 @@ int8, w8a8, q4), one server at a time on this machine, the same client
 - single-client decode: output tokens/s of a closed loop of 1 client
   (4 requests), and its ITL p50;
 - 32-way throughput: output tokens/s of 32 clients (64 requests);
-- perplexity of ``tests/data/public_domain_en.txt`` (``kvserve.quality``,
+- perplexity of ``tests/data/public_domain_en.txt`` (``kvserve.testing.quality``,
   in-process) by kvserve's definition (all tokens, windows of 512) and by
   llama.cpp's (``llama-perplexity -c 512``: whole windows, second halves);
   llama.cpp's own figure comes from ``llama-perplexity`` itself.
@@ -50,7 +50,7 @@ from kvserve.bench import replay
 from kvserve.bench.server import ServerProcess, exit_on_sigterm
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.model.default_model import cache_dir, ensure_default_model
-from kvserve.quality import perplexity, start_engine
+from kvserve.testing.quality import perplexity, start_engine
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO / "tests" / "data" / "public_domain_en.txt"

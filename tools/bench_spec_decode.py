@@ -34,8 +34,8 @@ import httpx
 from kvserve.bench.replay import run_replay, summarize
 from kvserve.bench.server import ServerProcess
 from kvserve.bench.trace import TraceRequest
-from kvserve.metrics import parse_metrics_text
 from kvserve.model.default_model import ensure_default_model
+from kvserve.observability.metrics import parse_metrics_text
 
 FUNCTIONS = ["parse_header", "read_records", "merge_sorted", "format_table", "count_words",
              "clamp_range"]

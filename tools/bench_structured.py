@@ -12,7 +12,7 @@ requests per client, side by side in one run:
 
 Output tokens/s = the completion tokens of all requests (``usage``) / the
 loop's wall time. The mask of a constrained row is computed on a helper
-thread during the forward pass (``kvserve.structured.masks``); this measures
+thread during the forward pass (``kvserve.constraints.masks``); this measures
 what is left of its cost. Prints a Markdown table with the load average.
 
     python tools/bench_structured.py

@@ -1263,7 +1263,7 @@ class Engines:
     that failed is not tried again: later sections fail with its reason."""
 
     def __init__(self, check: Check, model: str) -> None:
-        from kvserve.log import configure_logging
+        from kvserve.observability.log import configure_logging
 
         self.check, self.model = check, model
         self.loop = asyncio.new_event_loop()

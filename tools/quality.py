@@ -6,8 +6,8 @@ one process and one after the other: perplexity of ``--text`` (default: the
 shipped public-domain text, ``tests/data/public_domain_en.txt``) in windows
 of ``--window`` tokens, and teacher-forced greedy agreement with the
 reference's ``--max-tokens`` greedy tokens on ``--prompts`` (a file, one
-prompt per line; default ``kvserve.quality.DEFAULT_PROMPTS``). Prints a
-Markdown table last; ``--out`` writes it as JSON. See ``kvserve.quality``
+prompt per line; default ``kvserve.testing.quality.DEFAULT_PROMPTS``). Prints a
+Markdown table last; ``--out`` writes it as JSON. See ``kvserve.testing.quality``
 for the definitions.
 
     python tools/quality.py                              # none vs int8, w8a8
@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvserve.quality import DEFAULT_PROMPTS, agreement, greedy_tokens, perplexity, start_engine
+from kvserve.testing.quality import DEFAULT_PROMPTS, agreement, greedy_tokens, perplexity, start_engine
 
 REPO = Path(__file__).resolve().parents[1]
 

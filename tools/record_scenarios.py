@@ -36,7 +36,7 @@ from kvserve.actors.messages import GenerateRequest, RequestOutput
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine import AsyncEngine
-from kvserve.log import configure_logging
+from kvserve.observability.log import configure_logging
 
 BLOCK_BYTES = 16 * 46080  # SmolLM2-135M float32 KV bytes per 16-token block
 
@@ -122,7 +122,7 @@ def main() -> None:
     for name in args.scenarios:
         seconds = asyncio.run(run_scenario(name, model, out / f"{name}.jsonl",
                                            args.stats_interval))
-        from kvserve.analysis import analyze, load_log
+        from kvserve.observability.analysis import analyze, load_log
 
         result = analyze(load_log(out / f"{name}.jsonl"))
         print(f"{name}: {seconds:.1f} s of engine time -> {out / f'{name}.jsonl'}; "

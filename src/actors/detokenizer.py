@@ -12,7 +12,7 @@ from kvserve.actors.messages import (AbortRequest, CloseStream, Deliver, OpenStr
                                      RequestFailed, RequestOutput, TokenDelta, TokenizedRequest)
 from kvserve.actors.registry import StreamRegistry, child_request_ids
 from kvserve.actors.stream import RequestStream
-from kvserve.core.detokenize import IncrementalDetokenizer
+from kvserve.core.incremental_text import IncrementalDetokenizer
 
 
 class TokenOffsets:

@@ -16,11 +16,11 @@ from kvserve.actors.messages import (
     StepFinished,
     StepScheduled,
 )
-from kvserve.stats_logger import StatsObserver
+from kvserve.observability.stats_logger import StatsObserver
 
 
 class StatsActor(Actor):
-    """Keeps the ``StatsObserver`` (``kvserve.stats_logger``) and feeds it the
+    """Keeps the ``StatsObserver`` (``kvserve.observability.stats_logger``) and feeds it the
     other actors' reports, in the order they were sent.
 
     The engine reports arrivals (``RequestReceived``), admission queueings

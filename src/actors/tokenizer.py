@@ -11,8 +11,8 @@ from kvserve.actors.base import Actor, Mailbox
 from kvserve.actors.messages import (AbortRequest, Deliver, GenerateRequest, RequestFailed,
                                      TokenizedRequest)
 from kvserve.actors.registry import child_request_ids
+from kvserve.constraints.compiler import ConstraintError
 from kvserve.core.sampling_params import SEED_MIN
-from kvserve.structured.compiler import ConstraintError
 
 #: Prompts (text, or the summed string lengths of chat messages) shorter than
 #: this many characters are tokenized on the event loop. Encoding costs about
@@ -87,7 +87,7 @@ class TokenizerActor(Actor):
     Prompts of ``INLINE_MAX_CHARS`` characters or more are rendered and
     encoded on a small thread pool, never on the event loop, and an output
     constraint is compiled by ``compiler`` (a
-    ``kvserve.structured.compiler.ConstraintCompiler``: bounded, off the
+    ``kvserve.constraints.compiler.ConstraintCompiler``: bounded, off the
     loop and the step thread) before the request is queued; meanwhile the
     actor goes on with the next requests, so requests may leave it out of
     arrival order. A request aborted while it was being prepared is dropped

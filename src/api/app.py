@@ -24,8 +24,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.actors.stream import EngineClient
 from kvserve.api.connections import HeaderSizeLimit
-from kvserve.api.tools import render_messages
 from kvserve.api.errors import EXCEPTION_HANDLERS, APIError, error_body
+from kvserve.api.tool_calls import render_messages
 from kvserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

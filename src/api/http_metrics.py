@@ -1,6 +1,6 @@
 """HTTP request metrics: a pure ASGI middleware that times every request and
 hands ``(handler, method, status, seconds)`` to a recorder
-(``kvserve.metrics.ServerMetrics``).
+(``kvserve.observability.metrics.ServerMetrics``).
 
 Follows prometheus-fastapi-instrumentator (which vLLM's server uses):
 ``handler`` is the matched route's path template (``/v1/chat/completions``)

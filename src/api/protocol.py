@@ -30,9 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvserve.actors.detokenizer import TokenOffsets
 from kvserve.actors.messages import RequestOutput
+from kvserve.api.tool_calls import ToolCallStream, parse_tool_calls, render_messages, tool_grammar
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.core.structured_outputs import StructuredOutputsParams, closed_objects
-from kvserve.api.tools import ToolCallStream, parse_tool_calls, render_messages, tool_grammar
 
 TokenText = Callable[[int], str]
 TokenBytes = Callable[[int], bytes]
@@ -335,7 +335,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 class ChatCompletionRequest(_CommonRequest):
     """Body of ``POST /v1/chat/completions``.
 
-    Tools (``kvserve.api.tools``): ``tools``, ``tool_choice`` (``none``,
+    Tools (``kvserve.api.tool_calls``): ``tools``, ``tool_choice`` (``none``,
     ``auto``, the default when tools are given, ``required`` or a named
     function) and ``parallel_tool_calls``.
     """
@@ -405,7 +405,7 @@ class ChatCompletionRequest(_CommonRequest):
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template gets them: tool descriptions,
-        calls and results in the Hermes format (``kvserve.api.tools``)."""
+        calls and results in the Hermes format (``kvserve.api.tool_calls``)."""
         tools = ([t.model_dump(exclude_none=True) for t in self.tools or ()]
                  if self.tools_active else None)
         return render_messages([m.to_dict() for m in self.messages], tools)
@@ -718,7 +718,7 @@ class Renderer:
     tokens under ``skip_special_tokens``, e.g. the EOS ``<|im_end|>``), left
     out of chat logprobs too, so that their ``bytes`` join to the content.
     ``tools`` (set when tools are active): chat answers are parsed for tool
-    calls (``kvserve.api.tools``): they become ``message.tool_calls``
+    calls (``kvserve.api.tool_calls``): they become ``message.tool_calls``
     (streamed as ``delta.tool_calls``, one complete call per delta), as
     ``ToolReply`` says; when the answer is forced to be calls, a block cut
     off by ``max_tokens`` is dropped, not returned as text.

@@ -33,8 +33,8 @@ from kvserve.actors.messages import (
     StreamEvent,
 )
 from kvserve.actors.detokenizer import token_bytes_of
-from kvserve.actors.tokenizer import PromptError, check_message_count
 from kvserve.actors.stream import EngineClient, RequestStream
+from kvserve.actors.tokenizer import PromptError, check_message_count
 from kvserve.api.errors import APIError, error_body, from_failed
 from kvserve.api.protocol import (
     ChatCompletionRequest,
@@ -207,7 +207,7 @@ class RequestHeaders:
 def sampling_params_or_400(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
     """``body.sampling_params()``, its ``ValueError`` as a 400 naming the
     field. A structured-output constraint is compiled later, by the engine
-    (``kvserve.structured.compiler``: bounded, never on the event loop),
+    (``kvserve.constraints.compiler``: bounded, never on the event loop),
     which refuses one that does not compile with a 400 naming its field."""
     try:
         params = body.sampling_params()

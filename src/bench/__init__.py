@@ -14,7 +14,8 @@ Modules:
     compare   two result JSONs metric by metric, with thresholds
     sweep     replay over the values of one variable, plots, saturation point
     server    start/stop a ``kvserve serve`` subprocess (sweeps, ``make bench``)
-    soak      bounded mixed and hostile traffic on loopback, then leak checks
+
+Soak and hostile traffic live in ``kvserve.testing`` (``tools/soak.py``).
 """
 
 #: Version of the bench tools and of their result-JSON schema.

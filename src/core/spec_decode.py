@@ -7,7 +7,7 @@ Prompt lookup decoding (Saxena 2023; vLLM's ``ngram`` method): the last
 the ``k`` tokens that followed the latest earlier occurrence are the draft.
 The target model scores the last known token and the ``k`` drafts in one
 chunk of the step; the runner keeps the drafts its own sampling agrees
-with and adds one token of its own (``kvserve.model.spec_decode``), so a
+with and adds one token of its own (``kvserve.model.spec_verify``), so a
 step emits 1 to ``k + 1`` tokens and the output distribution is the
 target's (Leviathan et al. 2023; Chen et al. 2023).
 

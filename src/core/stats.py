@@ -1,7 +1,7 @@
 """Per-request timelines and per-step statistics, as plain dataclasses.
 
 No asyncio, no logging, no Prometheus: the engine's observer
-(``kvserve.stats_logger``) feeds these from the scheduler actor and turns
+(``kvserve.observability.stats_logger``) feeds these from the scheduler actor and turns
 them into log lines and metrics. All times are ``time.monotonic()`` seconds
 except ``arrival_wall`` (Unix epoch seconds, for replay).
 

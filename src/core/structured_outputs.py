@@ -5,7 +5,7 @@ object (``json_object``), a regular expression (``regex``), one of a list
 of strings (``choice``) or a context-free grammar (``grammar``, Lark as
 llguidance reads it, or GBNF as llama.cpp writes it). The API builds it from
 OpenAI's ``response_format`` and vLLM's ``guided_*`` fields; the worker turns
-it into a token mask (``kvserve.structured``). Pure data: no grammar engine
+it into a token mask (``kvserve.constraints``). Pure data: no grammar engine
 is imported here.
 """
 
@@ -37,7 +37,7 @@ class StructuredOutputsParams:
       (a tool's ``parameters``: ``tools[1].function.parameters``), so that
       an error names the one at fault;
     - ``compiled``: the engine's compiled form (a
-      ``kvserve.structured.compiler.CompiledConstraint``), set before the
+      ``kvserve.constraints.compiler.CompiledConstraint``), set before the
       request is scheduled; never pickled (it lives in one process).
     """
 

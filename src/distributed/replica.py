@@ -58,7 +58,7 @@ class EngineReplica:
         import structlog
 
         from kvserve.engine import AsyncEngine
-        from kvserve.log import configure_logging
+        from kvserve.observability.log import configure_logging
 
         configure_logging("json", "info")
         structlog.contextvars.bind_contextvars(replica=self.index)

@@ -52,7 +52,7 @@ from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights
 from kvserve.model.ops import Ops
 from kvserve.model.sampler import SamplingState, _warpers
-from kvserve.model.spec_decode import draw_from
+from kvserve.model.spec_verify import draw_from
 from kvserve.model.tokenizer import Tokenizer
 
 

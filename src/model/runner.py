@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kvserve.config import ModelConfig
+from kvserve.constraints.masks import StructuredOutputs
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.distributed.kv_connector import KVConnector, TransferResult
 from kvserve.model.drafter import DraftProposer
@@ -27,8 +28,7 @@ from kvserve.model.input_batch import BatchInputs, InputBatch
 from kvserve.model.llama import AttentionMetadata, LlamaModel
 from kvserve.model.ops import Ops
 from kvserve.model.sampler import Device, LogprobEntry, SamplingState, prompt_logprobs, sample
-from kvserve.model.spec_decode import verify_drafts, verify_rejection
-from kvserve.structured.masks import StructuredOutputs
+from kvserve.model.spec_verify import verify_drafts, verify_rejection
 
 
 #: Prompt-logprob rows scored per LM-head call (bounds the [rows, vocab] block).

@@ -323,7 +323,7 @@ def warped_probs(x: Array, warp: Warpers, xp: ModuleType = np,
     """float64[R, V]: the distribution ``sample_random`` draws each row of
     processed float32[R, V] logits ``x`` from (temperature, then the kept
     set of ``kept_mask``, normalized); what rejection sampling compares
-    (``kvserve.model.spec_decode``)."""
+    (``kvserve.model.spec_verify``)."""
     keep = kept_mask(x, warp, xp, candidates)
     w = _weights(x, warp.temperature, x.max(axis=1).astype(np.float64) / warp.temperature, xp)
     w *= keep

@@ -26,7 +26,7 @@ if _E2E not in sys.path:
 
 from e2e_support import LiveServer, iter_sse_data  # noqa: E402
 
-from kvserve.metrics import parse_metrics_text  # noqa: E402
+from kvserve.observability.metrics import parse_metrics_text  # noqa: E402
 
 pytestmark = pytest.mark.model
 

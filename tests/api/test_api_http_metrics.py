@@ -11,7 +11,7 @@ from fake_engine import FakeEngine
 from kvserve.api import build_app
 from kvserve.api.http_metrics import HttpMetricsMiddleware, instrument
 from kvserve.config import ServerConfig
-from kvserve.metrics import EngineMetrics, ServerMetrics, metrics_route, parse_metrics_text
+from kvserve.observability.metrics import EngineMetrics, ServerMetrics, metrics_route, parse_metrics_text
 
 pytestmark = pytest.mark.anyio
 

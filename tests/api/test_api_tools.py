@@ -1,4 +1,4 @@
-"""``kvserve.api.tools``: the Hermes tool-call format without a model: the
+"""``kvserve.api.tool_calls``: the Hermes tool-call format without a model: the
 parser (Hermes objects, SmolLM2 lists, malformed blocks left as text), the
 streaming splitter (a tag cut anywhere), history rendering and the grammar
 of forced calls (checked by llguidance's matcher on hand-written answers);
@@ -14,8 +14,8 @@ import pytest
 from fake_engine import accepted, sample_outputs
 
 from kvserve.api.protocol import ChatCompletionRequest
-from kvserve.api.tools import ToolCallStream, parse_tool_calls, render_messages, tool_grammar
-from kvserve.structured.grammar import to_grammar
+from kvserve.api.tool_calls import ToolCallStream, parse_tool_calls, render_messages, tool_grammar
+from kvserve.constraints.grammar import to_grammar
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -1,5 +1,5 @@
 """What only the CPU backend's ops (kvserve.cpu.ops.CpuOps) do, against float64
-NumPy formulas and the dense reference (kvserve.model.reference): the routes
+NumPy formulas and the dense reference (kvserve.testing.reference): the routes
 of paged attention (the Numba kernel serial and parallel, the BLAS prefill
 path, the split between them) on random batches, the float64 sum of
 ``rms_norm``, in-place ops on non-contiguous views, the dense GEMV and BLAS
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvserve.cpu import ops as cpu_ops
 from kvserve.cpu.ops import CpuOps
 from kvserve.model.ops import build_rope_cache
-from kvserve.model.reference import reference_attention
+from kvserve.testing.reference import reference_attention
 
 OPS = CpuOps()
 

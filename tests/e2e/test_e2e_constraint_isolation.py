@@ -23,7 +23,7 @@ import pytest
 
 from e2e_support import SERVER_MAX_MODEL_LEN
 
-from kvserve.bench.hostile import CONSTRAINT_FIELDS, Neighbour, fire_constraints
+from kvserve.testing.hostile import CONSTRAINT_FIELDS, Neighbour, fire_constraints
 
 pytestmark = pytest.mark.model
 

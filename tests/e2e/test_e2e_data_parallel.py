@@ -16,7 +16,7 @@ import httpx
 import pytest
 from e2e_support import GOLDEN, SERVER_MAX_MODEL_LEN, LiveServer, first_divergence
 
-from kvserve.metrics import parse_metrics_text
+from kvserve.observability.metrics import parse_metrics_text
 
 pytestmark = pytest.mark.model
 

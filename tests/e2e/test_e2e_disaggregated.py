@@ -15,7 +15,7 @@ import pytest
 from e2e_support import GOLDEN, SERVER_MAX_MODEL_LEN, LiveServer
 from test_e2e_data_parallel import assert_golden_as_one_engine
 
-from kvserve.metrics import parse_metrics_text
+from kvserve.observability.metrics import parse_metrics_text
 
 pytestmark = pytest.mark.model
 

@@ -6,7 +6,7 @@
 - An actor that dies fails every open request at once (none hangs), new
   requests get 503 and ``/health`` answers 503 with the reason.
 
-``kvserve.faults`` injects the faults; the reference outputs come from the
+``kvserve.testing.faults`` injects the faults; the reference outputs come from the
 shared fault-free engine of the e2e suite.
 """
 
@@ -22,7 +22,7 @@ from e2e_support import EngineThread, collect, first_divergence, make_request, \
 
 from kvserve.api import build_app
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
-from kvserve.faults import FaultInjection, FaultyRunner
+from kvserve.testing.faults import FaultInjection, FaultyRunner
 
 pytestmark = pytest.mark.model
 

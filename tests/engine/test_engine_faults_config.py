@@ -1,10 +1,10 @@
-"""``FaultInjection``: the test-only fault plan (``kvserve.faults``) parses
+"""``FaultInjection``: the test-only fault plan (``kvserve.testing.faults``) parses
 its JSON strictly and picks the steps it says."""
 
 import pytest
 
 from kvserve.cli import build_parser
-from kvserve.faults import FaultInjection
+from kvserve.testing.faults import FaultInjection
 
 
 def test_every_tenth_step_fails() -> None:

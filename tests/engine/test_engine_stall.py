@@ -17,8 +17,8 @@ from engine_harness import DEFAULT_KV_MEMORY, EngineHandle, greedy
 
 from kvserve.api import build_app
 from kvserve.config import CacheConfig, EngineConfig, ServerConfig
-from kvserve.faults import FaultInjection
-from kvserve.metrics import ServerMetrics, metrics_route, parse_metrics_text
+from kvserve.observability.metrics import ServerMetrics, metrics_route, parse_metrics_text
+from kvserve.testing.faults import FaultInjection
 
 pytestmark = pytest.mark.model
 

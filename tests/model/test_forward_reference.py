@@ -3,7 +3,7 @@
 ``LlamaModel.forward`` and ``ModelRunner.execute`` (driven by the real
 scheduler and KV cache manager) run a tiny random-weight Llama checkpoint
 (``tiny_llama``) through the real ``Ops`` of every backend, and their logits
-are compared with ``kvserve.model.reference.reference_forward`` (dense
+are compared with ``kvserve.testing.reference.reference_forward`` (dense
 attention, no paging, float64). This is what catches a systematic error that
 comparing the engine with itself cannot: a wrong attention scale, RoPE, norm,
 residual, slot mapping or prefix-cache hit changes these logits.
@@ -30,8 +30,8 @@ from kvserve.core.sampling_params import SamplingParams
 from kvserve.cpu.ops import CpuOps
 from kvserve.model.llama import AttentionMetadata, LlamaModel
 from kvserve.model.ops import Ops
-from kvserve.model.reference import reference_forward
 from kvserve.model.runner import ModelRunner
+from kvserve.testing.reference import reference_forward
 
 #: Every backend that exists (the CPU one with each attention route: the
 #: default split, and every sequence through the Numba kernel); each one runs

@@ -2,7 +2,7 @@
 of the shipped public-domain text (``tests/data/public_domain_en.txt``)
 within 3% of float for int8 and q4 and 6% for w8a8, and teacher-forced greedy
 agreement with the golden reference outputs above the bounds measured when
-the schemes landed (``kvserve.quality`` defines both measures)."""
+the schemes landed (``kvserve.testing.quality`` defines both measures)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from golden import golden_cases
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvserve.quality import agreement, perplexity, start_engine
+from kvserve.testing.quality import agreement, perplexity, start_engine
 
 pytestmark = pytest.mark.model
 

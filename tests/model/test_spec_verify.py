@@ -11,7 +11,7 @@ import pytest
 
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.model.sampler import SamplingState
-from kvserve.model.spec_decode import verify_drafts, verify_rejection
+from kvserve.model.spec_verify import verify_drafts, verify_rejection
 
 #: Chi-square critical value for 4 degrees of freedom at p = 0.001.
 CHI2_4DF_P001 = 18.47

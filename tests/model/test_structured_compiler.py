@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
-from kvserve.api.tools import tool_grammar
+from kvserve.api.tool_calls import tool_grammar
 from kvserve.config import StructuredOutputsConfig
+from kvserve.constraints.compiler import ConstraintCompiler, ConstraintError
 from kvserve.core.structured_outputs import StructuredOutputsParams
-from kvserve.structured.compiler import ConstraintCompiler, ConstraintError
 
 pytestmark = pytest.mark.model
 
@@ -178,7 +178,7 @@ def test_a_params_object_pickles_without_its_compiled_form(with_compiler) -> Non
 
 def test_a_machine_too_busy_to_compile_gives_503_and_no_cached_refusal(with_compiler,
                                                                         monkeypatch) -> None:
-    from kvserve.structured import compiler as compiler_module
+    from kvserve.constraints import compiler as compiler_module
 
     monkeypatch.setattr(compiler_module, "WALL_FACTOR", 0.01)  # 0.05 s of wall time for 5 s
     params = optional_properties(1500, "busy")
@@ -197,7 +197,7 @@ def test_a_machine_too_busy_to_compile_gives_503_and_no_cached_refusal(with_comp
 
 def test_the_template_cache_is_bounded_by_the_bytes_of_its_constraints(with_compiler,
                                                                          monkeypatch) -> None:
-    from kvserve.structured import compiler as compiler_module
+    from kvserve.constraints import compiler as compiler_module
 
     monkeypatch.setattr(compiler_module, "CACHE_TEMPLATE_BYTES", 2500)
     params = [StructuredOutputsParams(choice=tuple(f"{tag} {i}" for i in range(100)))

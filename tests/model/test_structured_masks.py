@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from tiny_llama import write_byte_tokenizer
 
+from kvserve.constraints.masks import StructuredOutputs
 from kvserve.core.structured_outputs import StructuredOutputsParams
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.structured.masks import StructuredOutputs
 
 #: The logits' width: the tiny byte tokenizer's 258 ids, padded as an LM head may be.
 VOCAB = 300

@@ -1,7 +1,7 @@
 """A tiny random-weight Llama checkpoint, generated deterministically at test time.
 
 Every clone can check the production forward pass against the float64
-reference (``kvserve.model.reference``) with it: no download, no shared folder.
+reference (``kvserve.testing.reference``) with it: no download, no shared folder.
 The checkpoint is written in the Hugging Face layout (``config.json`` +
 ``model.safetensors``) and read back through the real loader, so the loader's
 name and shape handling is on the tested path too.

@@ -10,7 +10,7 @@ import json
 import pytest
 from conftest import DATA
 
-from kvserve.analysis import analyze, load_log
+from kvserve.observability.analysis import analyze, load_log
 
 SCENARIOS = {"overload": "queueing", "long_prompts": "prefill", "tiny_kv": "kv_capacity",
              "light": None}

@@ -1,7 +1,7 @@
 """``kvserve diagnose`` on a busy window where nothing finished (issue 15,
 item 5): it says what ran (gauges, token counters), not "lightly loaded"."""
 
-from kvserve.diagnosis import Features, busy_summary, diagnose
+from kvserve.observability.diagnosis import Features, busy_summary, diagnose
 
 
 def test_a_slow_running_request_is_busy_not_idle() -> None:
@@ -24,8 +24,8 @@ def test_an_idle_window_has_no_summary() -> None:
 def test_one_request_under_outside_cpu_load_is_no_decode_verdict() -> None:
     """A fresh user's report: one running request with uneven ITL (the host
     was busy) got "prefill/decode interference" with no prefill in sight."""
-    from kvserve.diagnosis import features_from_scrapes
-    from kvserve.metrics import EngineMetrics, parse_metrics_text
+    from kvserve.observability.diagnosis import features_from_scrapes
+    from kvserve.observability.metrics import EngineMetrics, parse_metrics_text
 
     metrics = EngineMetrics("m", 512, 64)
     metrics.set_load(1, 0, 0.02)

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from kvserve.metrics import EngineMetrics, ServerMetrics, parse_metrics_text
+from kvserve.observability.metrics import EngineMetrics, ServerMetrics, parse_metrics_text
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "tools" / "grafana_dashboard.json"
 

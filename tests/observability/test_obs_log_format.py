@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from kvserve.log import configure_logging
+from kvserve.observability.log import configure_logging
 
 
 @pytest.fixture

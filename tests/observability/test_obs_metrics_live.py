@@ -10,7 +10,7 @@ import httpx
 import pytest
 from e2e_support import LiveServer, iter_sse_data
 
-from kvserve.metrics import METRICS, exposed_series, parse_metrics_text
+from kvserve.observability.metrics import METRICS, exposed_series, parse_metrics_text
 
 pytestmark = pytest.mark.model
 

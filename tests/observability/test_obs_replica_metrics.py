@@ -3,7 +3,7 @@
 (the text format requires it; the Prometheus parser reads it back)."""
 
 from kvserve.distributed.client import label_replicas
-from kvserve.metrics import EngineMetrics, parse_metrics_text
+from kvserve.observability.metrics import EngineMetrics, parse_metrics_text
 
 
 def test_replica_label_on_every_sample_and_families_grouped():

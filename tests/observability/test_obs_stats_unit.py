@@ -11,12 +11,12 @@ import pytest
 from kvserve.core.outputs import RequestUpdate, SchedulerOutput
 from kvserve.core.request import FinishReason
 from kvserve.core.stats import IntervalStats, RequestTimeline, StepStats, StepTimes
-from kvserve.diagnosis import Features, diagnose, features_from_scrapes, histogram_quantile
-from kvserve.log import configure_logging
-from kvserve.metrics import METRICS, EngineMetrics, exposed_series, parse_metrics_text
-from kvserve.stats_logger import StatsObserver
+from kvserve.observability.diagnosis import Features, diagnose, features_from_scrapes, histogram_quantile
+from kvserve.observability.log import configure_logging
+from kvserve.observability.metrics import METRICS, EngineMetrics, exposed_series, parse_metrics_text
+from kvserve.observability.stats_logger import StatsObserver
 
-#: The issue's list, spelled out independently of kvserve.metrics.METRICS.
+#: The issue's list, spelled out independently of kvserve.observability.metrics.METRICS.
 ISSUE_HISTOGRAMS = [
     "time_to_first_token_seconds", "inter_token_latency_seconds",
     "request_time_per_output_token_seconds", "e2e_request_latency_seconds",

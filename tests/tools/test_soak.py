@@ -1,4 +1,4 @@
-"""tools/soak.py (``kvserve.bench.soak``): the pure parts (outcome classes,
+"""tools/soak.py (``kvserve.testing.soak``): the pure parts (outcome classes,
 loopback check, percentile, gauges, stream checks, the seeded mix), the
 hostile kinds (constraints sized as kvserve counts them, floods, smuggling
 against fake loopback servers), the accounting of every request, then one
@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvserve.bench import soak
-from kvserve.bench.soak import (
+from kvserve.testing import soak
+from kvserve.testing.soak import (
     DEFAULT_MIX,
     FAILURES,
     OUTCOMES,
@@ -369,7 +369,7 @@ def _server_params(name: str, value):
     """The constraint kvserve makes of ``value`` in field ``name`` (its
     request model; for ``tools``, the grammar of ``tool_choice: "required"``)."""
     from kvserve.api.protocol import ChatCompletionRequest
-    from kvserve.api.tools import tool_grammar
+    from kvserve.api.tool_calls import tool_grammar
 
     body = {"messages": [{"role": "user", "content": "x"}], **soak.constraint_fields(name, value)}
     if name == "tools":
@@ -428,7 +428,7 @@ def test_constraint_sizes_as_kvserve_counts(name):
 def test_constraints_compile_as_expected(name):
     """By kvserve's own compiler (grammar only, no matcher): a large one
     compiles, an invalid one does not (``GrammarError`` is a ``ValueError``)."""
-    from kvserve.structured.grammar import to_grammar
+    from kvserve.constraints.grammar import to_grammar
 
     assert to_grammar(_server_params(name, soak.sized_constraint(name, 40_000,
                                                                   random.Random(5))))

@@ -26,7 +26,7 @@ from kvserve.core.outputs import RequestUpdate, SchedulerOutput
 from kvserve.core.spec_decode import SpecDecodingStats
 from kvserve.core.stats import (IntervalStats, RequestTimeline, RequestTracker, StepStats,
                                 StepTimes)
-from kvserve.metrics import EngineMetrics
+from kvserve.observability.metrics import EngineMetrics
 
 
 _MAX_PENDING = 100_000

@@ -23,8 +23,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.constraints.grammar import JSON_OPTIONS
 from kvserve.core.structured_outputs import StructuredOutputsParams, closed_objects
-from kvserve.structured.grammar import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

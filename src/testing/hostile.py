@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from kvserve.api.tools import tool_grammar
+from kvserve.api.tool_calls import tool_grammar
 from kvserve.core.structured_outputs import StructuredOutputsParams
 
 #: The request fields that carry a constraint, in the order they are sent.

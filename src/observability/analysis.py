@@ -2,12 +2,12 @@
 throughput over time, a bottleneck diagnosis, a Markdown report and plots.
 
 Used by ``kvserve analyze LOGFILE`` and ``tools/analyze_logs.py``. Reads the
-events of ``kvserve.stats_logger``: ``request_finished`` (one record per
+events of ``kvserve.observability.stats_logger``: ``request_finished`` (one record per
 sequence: queue/prefill/decode/TTFT/E2E/TPOT seconds, tokens, priority,
 class), ``request_scheduled`` (KV usage at admission), ``request_preempted``,
 ``engine_stats`` (periodic: running, waiting, KV usage, throughput) and, if
 the log was written at debug level, ``step``. Lines that are not JSON (or
-not kvserve events) are skipped. The rules are ``kvserve.diagnosis``.
+not kvserve events) are skipped. The rules are ``kvserve.observability.diagnosis``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvserve.diagnosis import KV_HIGH, Features, Verdict, diagnose, host_note
+from kvserve.observability.diagnosis import KV_HIGH, Features, Verdict, diagnose, host_note
 
 PHASES = ("queue_s", "prefill_s", "ttft_s", "tpot_s", "e2e_s")
 PROMPT_BUCKETS = (128, 512, 1024, 2048)

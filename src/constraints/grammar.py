@@ -11,7 +11,7 @@ JSON is generated compact apart from one space after ``,`` and ``:``
 inside a JSON value can emit newlines until ``max_tokens``.
 
 These functions are the work itself, with no bound on its cost: the engine
-runs them through ``kvserve.structured.compiler``, which bounds it.
+runs them through ``kvserve.constraints.compiler``, which bounds it.
 
 llguidance is imported by the functions that use it, not by this module:
 the API and the engine import this module (``JSON_OPTIONS``, ``GrammarError``)

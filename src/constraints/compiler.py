@@ -9,7 +9,7 @@ chained rules overflows an 8 MiB stack), so each new constraint goes:
 
 1. **size**: more than ``max_bytes`` (``--structured-outputs-max-bytes``)
    of schema, regex, grammar or choices is a 400 at once;
-2. **trial in a child process** (``kvserve.structured.compile_worker``, at
+2. **trial in a child process** (``kvserve.constraints.compile_worker``, at
    the lowest CPU priority, ``SCHED_IDLE``, on a 256 MiB stack): it compiles the grammar and
    builds the whole matcher under llguidance's limits
    (``grammar.parser_limits``). Over ``timeout`` seconds of CPU
@@ -49,8 +49,8 @@ from typing import Any
 import structlog
 
 from kvserve.config import StructuredOutputsConfig
+from kvserve.constraints.compile_worker import CPU_EXCEEDED, STACK_BYTES, yield_the_cpu
 from kvserve.core.structured_outputs import StructuredOutputsParams
-from kvserve.structured.compile_worker import CPU_EXCEEDED, STACK_BYTES, yield_the_cpu
 
 log = structlog.get_logger("kvserve.structured")
 
@@ -119,7 +119,7 @@ class ConstraintCompiler:
                  config: StructuredOutputsConfig, tokenizer: Any = None) -> None:
         self.config = config
         self._tokenizer_args = (str(tokenizer_json), int(vocab_size), list(eos_token_ids))
-        self._child = _ChildProcess([sys.executable, "-m", "kvserve.structured.compile_worker",
+        self._child = _ChildProcess([sys.executable, "-m", "kvserve.constraints.compile_worker",
                                      str(tokenizer_json), str(vocab_size),
                                      ",".join(str(t) for t in eos_token_ids)])
         self._builder = _BuilderThread()
@@ -193,7 +193,7 @@ class ConstraintCompiler:
                       else {"crash": str(exc)})
         entry: CompiledConstraint | _Refusal = _Refusal.of(answer)
         if "grammar" in answer:
-            from kvserve.structured.grammar import GrammarError
+            from kvserve.constraints.grammar import GrammarError
 
             try:
                 template = await asyncio.wrap_future(self._builder.submit(
@@ -214,7 +214,7 @@ class ConstraintCompiler:
 
     def _build(self, grammar: str) -> Any:
         """On the builder thread: the template matcher of ``grammar``."""
-        from kvserve.structured.grammar import build_matcher, load_tokenizer
+        from kvserve.constraints.grammar import build_matcher, load_tokenizer
 
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(*self._tokenizer_args)

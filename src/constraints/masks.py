@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import structlog
 
+from kvserve.constraints.grammar import load_tokenizer, to_grammar
 from kvserve.core.structured_outputs import StructuredOutputsParams
-from kvserve.structured.grammar import load_tokenizer, to_grammar
 
 if TYPE_CHECKING:
     import llguidance
@@ -63,7 +63,7 @@ class StructuredOutputs:
         tokens it already generated are replayed into the new matcher).
 
         The matcher is a copy of ``params.compiled`` (the engine compiles
-        every constraint before it is scheduled, ``kvserve.structured.
+        every constraint before it is scheduled, ``kvserve.constraints.
         compiler``: ~20 us here); a constraint that was not compiled (a
         runner driven directly) is compiled here, unbounded."""
         if params.compiled is not None:

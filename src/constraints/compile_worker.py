@@ -1,6 +1,6 @@
 """The grammar-compiler child process: tries each new constraint first.
 
-``python -m kvserve.structured.compile_worker TOKENIZER_JSON VOCAB_SIZE EOS_IDS``
+``python -m kvserve.constraints.compile_worker TOKENIZER_JSON VOCAB_SIZE EOS_IDS``
 (EOS ids comma-separated) reads one JSON request a line on standard input
 and answers each with one JSON line on standard output:
 
@@ -19,7 +19,7 @@ It compiles the grammar and builds the full matcher, exactly what the
 server then builds itself, so the server builds only what finished here. A
 crash (a stack overflow in llguidance on a deeply chained grammar) or a
 runaway compile ends this process, never the server's, which kills it at
-its deadline and starts another (``kvserve.structured.compiler``). It runs
+its deadline and starts another (``kvserve.constraints.compiler``). It runs
 at the lowest CPU priority (``yield_the_cpu``), so a compile takes only
 what the step threads leave, and on a thread with a ``STACK_BYTES`` stack. First line out:
 ``{"ready": true}`` once the tokenizer is loaded.
@@ -70,7 +70,7 @@ def answer(tokenizer: Any, request: dict[str, Any]) -> dict[str, Any]:
     """Compile one request's constraint: its grammar and compile seconds, or
     the error and the param at fault (see the module docstring)."""
     from kvserve.core.structured_outputs import StructuredOutputsParams
-    from kvserve.structured.grammar import GrammarError, build_matcher, to_grammar
+    from kvserve.constraints.grammar import GrammarError, build_matcher, to_grammar
 
     fields = dict(request["params"])
     fields["parts"] = tuple(tuple(part) for part in fields.get("parts", ()))

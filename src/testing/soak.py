@@ -1262,7 +1262,7 @@ def run_cli(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.stop()
-    result["tool"] = {"name": "kvserve.bench.soak", "version": BENCH_VERSION}
+    result["tool"] = {"name": "kvserve.testing.soak", "version": BENCH_VERSION}
     result["config"] = {k: v for k, v in vars(args).items() if k != "api_key"}
     print(format_table(result))
     if args.json:

@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics, the engine_stats logger, log set-up, log analysis and diagnosis."""
