@@ -70,6 +70,20 @@ class Mutant:
 
 
 MUTANTS: tuple[Mutant, ...] = (
+    Mutant("threads_round_half_busy", "cpu/threads.py",
+           (("taken = math.floor(self.mean + 1.0 - self.busy_fraction)",
+             "taken = round(self.mean)"),),
+           ("tests/cpu/test_thread_hysteresis.py",),
+           "a core counts as taken at half-time runnable (the flapping moving average)"),
+    Mutant("threads_no_dwell", "cpu/threads.py",
+           (("if now - self._last_change < self.min_dwell:", "if False:"),),
+           ("tests/cpu/test_thread_hysteresis.py",),
+           "thread changes without the minimum dwell between them"),
+    Mutant("threads_restore_at_once", "cpu/threads.py",
+           (("if waited < (self.restore_after if up else self.drop_after):",
+             "if waited < (0.0 if up else self.drop_after):"),),
+           ("tests/cpu/test_thread_hysteresis.py",),
+           "threads come back as soon as the window allows, not after restore_after"),
     Mutant("attention_scale", "model/llama.py",
            (("self.scale = config.head_dim ** -0.5", "self.scale = config.head_dim ** -0.45"),),
            FORWARD_TESTS, "softmax scale hd^-0.45 instead of hd^-0.5"),

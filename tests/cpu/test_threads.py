@@ -66,12 +66,14 @@ def test_busy_warning_only_when_the_cpus_are_taken_and_threads_would_fight():
 
 def test_threads_follow_other_processes_load():
     """``LoadAdaptiveThreads``: every core busy elsewhere -> one thread (no
-    parallel region waits on a descheduled thread); load gone -> all again."""
-    from kvserve.cpu.threads import LoadAdaptiveThreads
+    parallel region waits on a descheduled thread); load gone -> all again
+    (after ``ThreadHysteresis``'s window, way back and dwell)."""
+    from kvserve.cpu.threads import LoadAdaptiveThreads, ThreadHysteresis
 
     now, others = [0.0], [0]
-    adaptive = LoadAdaptiveThreads(max_threads=2, cpus=2, interval=0.25, smoothing=0.5,
-                                   sample=lambda: others[0], clock=lambda: now[0])
+    adaptive = LoadAdaptiveThreads(max_threads=2, cpus=2, interval=0.25,
+                                   sample=lambda: others[0], clock=lambda: now[0],
+                                   policy=ThreadHysteresis(2, 2, min_dwell=20.0))
 
     def after(seconds: float) -> int:
         threads = adaptive.current()
@@ -80,13 +82,14 @@ def test_threads_follow_other_processes_load():
             threads = adaptive.current()
         return threads
 
-    assert after(2) == 2  # idle machine: both cores
+    assert after(10) == 2  # idle machine: both cores
     others[0] = 2  # two busy processes appear
-    assert after(2) == 1
+    assert after(12) == 1  # a full window, then drop_after
     now[0] += 0.1
     assert adaptive.current() == 1  # between samples: no new reading
     others[0] = 0
-    assert after(3) == 2
+    assert after(10) == 1  # the dwell holds it
+    assert after(20) == 2
 
 
 def test_other_runnable_threads_reads_proc(tmp_path):
