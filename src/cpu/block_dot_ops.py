@@ -1,0 +1,109 @@
+"""Decode products of ggml block weights with Q8 activations (llama.cpp's CPU scheme).
+
+Checked wrapper of :mod:`kvserve.cpu.block_dot_kernels`: ``y = x @ W.T (+ bias)``
+(PyTorch ``nn.Linear``) for a ``BlockQuantizedWeight`` ``W`` (Q4_0, Q4_1 or
+Q8_0 blocks), where ``x`` is first quantized per block of 32 input channels
+to int8 codes and a float32 scale (llama.cpp's ``block_q8_0`` /
+``block_q8_1``, ``ggml-quants.c`` ``quantize_row_q8_0`` /
+``quantize_row_q8_1``), and each weight block's integer dot product with
+the codes is scaled by ``d_w * d_x`` (``ggml_vec_dot_q4_0_q8_0``,
+``ggml_vec_dot_q4_1_q8_1``, ``ggml_vec_dot_q8_0_q8_0``). Unlike
+``kvserve.cpu.block_ops.linear_blocks`` the result is not dequantize-then-
+matmul: the activation codes carry a relative error of up to ``1 / 254`` of
+each block's largest magnitude (see ``tests/cpu/test_block_dot.py``).
+
+Only the decode (GEMV) path: every row count takes the per-channel kernels,
+which read each weight byte once per ``ROW_TILE`` rows; prefill-sized inputs
+belong to ``block_ops`` (sgemm). Products of at least
+``kvserve.cpu.parallel.PARALLEL_MIN_MACS`` multiply-adds run on Numba's
+threads under ``PARALLEL_REGION``, smaller ones on the caller's thread.
+Not wired into ``CpuOps``: this module is for measurement
+(``tools/bench_block_dot.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvserve.cpu import block_dot_kernels as bdk
+from kvserve.cpu.block_ops import check_weight
+from kvserve.cpu.parallel import PARALLEL_REGION, check_array, parallel_chunks
+from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
+
+
+def quantize_activations_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(xq int8[M, K], xd float32[M, K / 32], xsum float32[M, K / 32])`` of
+    C-contiguous float32[M, K] ``x`` (K a multiple of 32), per
+    :func:`kvserve.cpu.block_dot_kernels.quantize_q8_blocks`.
+
+    Raises ValueError (naming ``x``) for another dtype, rank, layout or K.
+    """
+    check_array("x", x, np.float32, 2)
+    if x.shape[1] % QK:
+        raise ValueError(f"x: K = {x.shape[1]} is not a multiple of {QK}")
+    m, k = x.shape
+    xq = np.empty((m, k), dtype=np.int8)
+    xd = np.empty((m, k // QK), dtype=np.float32)
+    xsum = np.empty((m, k // QK), dtype=np.float32)
+    bdk.quantize_q8_blocks(x, xq, xd, xsum)
+    return xq, xd, xsum
+
+
+def linear_blocks_q8(x: np.ndarray, w: BlockQuantizedWeight, bias: np.ndarray | None = None,
+                     num_threads: int | None = None) -> np.ndarray:
+    """``x @ W.T (+ bias)`` for a block weight, with ``x`` quantized to Q8 blocks.
+
+    Args:
+        x: float32[M, K], C-contiguous.
+        w: ``BlockQuantizedWeight`` ``[N, K]`` of NumPy arrays
+            (``block_ops.check_weight``). ``ggml_type`` ``Q4_0`` takes the
+            Q4_0 kernel (offset 8 kept in the integers); any other q4 weight
+            (Q4_1, or fused ``Q4_0+Q4_1``) the Q4_1 kernel with its ``m``.
+        bias: float32[N] or None.
+        num_threads: Numba threads for this call (None: the current setting).
+
+    Returns:
+        A new float32[M, N].
+
+    Raises:
+        ValueError: naming the argument, for a wrong dtype, shape or layout,
+            or ``num_threads`` out of range.
+    """
+    check_weight(w)
+    check_array("x", x, np.float32, 2)
+    n, k = w.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x: {x.shape} does not match the weight's K = {k}")
+    if bias is not None:
+        check_array("bias", bias, np.float32, 1)
+        if bias.shape != (n,):
+            raise ValueError(f"bias: shape {bias.shape}, expected ({n},)")
+    chunks = parallel_chunks(x.shape, n, num_threads)
+    xq, xd, xsum = quantize_activations_q8(x)
+    out = np.empty((x.shape[0], n), dtype=np.float32)
+    if chunks:
+        with PARALLEL_REGION:
+            _run(xq, xd, xsum, w, out, chunks)
+    else:
+        _run(xq, xd, xsum, w, out, 0)
+    if bias is not None:
+        out += bias
+    return out
+
+
+def _run(xq, xd, xsum, w: BlockQuantizedWeight, out: np.ndarray, chunks: int) -> None:
+    n = w.shape[0]
+    if w.kind == "q8":
+        if chunks:
+            bdk.q8_0_q8_gemv_parallel(xq, xd, w.qs, w.d, out, chunks)
+        else:
+            bdk.q8_0_q8_gemv_range(xq, xd, w.qs, w.d, out, 0, n)
+    elif w.ggml_type == "Q4_0":
+        if chunks:
+            bdk.q4_0_q8_gemv_parallel(xq, xd, w.qs, w.d, out, chunks)
+        else:
+            bdk.q4_0_q8_gemv_range(xq, xd, w.qs, w.d, out, 0, n)
+    elif chunks:
+        bdk.q4_1_q8_gemv_parallel(xq, xd, xsum, w.qs, w.d, w.m, out, chunks)
+    else:
+        bdk.q4_1_q8_gemv_range(xq, xd, xsum, w.qs, w.d, w.m, out, 0, n)
