@@ -15,7 +15,7 @@ import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from kvserve.cpu import block_ops, int8, kernels, quant_ops
+from kvserve.cpu import block_ops, decode_path, int8, kernels, quant_ops
 from kvserve.cpu.parallel import PARALLEL_REGION, parallel_chunks
 from kvserve.cpu.prefill_attention import prefill_attention
 from kvserve.model.ops import build_rope_cache, compose_rope_kv_attention
@@ -309,6 +309,13 @@ class CpuOps:
         kernels.silu_and_mul_kernel(x, out)
         return out
 
+    def decode_layers(self, hidden: np.ndarray, model: Any, positions: np.ndarray, attn: Any,
+                      kv_caches: list) -> tuple[np.ndarray, np.ndarray] | None:
+        """A decode-only step's layers in one compiled call (``kvserve.cpu.decode_path``):
+        ``(x, residual)`` before the final norm, or None where the op path runs."""
+        return decode_path.decode_layers(hidden, model, positions, attn, kv_caches,
+                                         self._threads())
+
     # ------------------------------------------------------------------ #
     # paged KV cache
     # ------------------------------------------------------------------ #
@@ -485,4 +492,5 @@ class CpuOps:
         self.write_kv(k, k, cache, np.arange(2))
         self.paged_attention(q, cache, np.array([[0, 1]], np.int32), np.array([2], np.int32),
                              np.array([0, 2], np.int32), 0.5)
+        decode_path.warmup()
 

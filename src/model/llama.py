@@ -188,6 +188,21 @@ class LlamaModel:
         """
         ops, cfg = self.ops, self.config
         hidden = ops.embedding(input_ids, self.embed_tokens)
+        # A backend may run a decode-only step's layers in one compiled call
+        # (CpuOps.decode_layers); None where it does not apply.
+        fused = getattr(ops, "decode_layers", None)
+        done = fused(hidden, self, positions, attn, kv_caches) if fused is not None else None
+        x, residual = done if done is not None else self._layers(hidden, positions, attn,
+                                                                 kv_caches)
+        # Only the sampled rows need the final norm and the LM head.
+        x, residual = x[logits_indices], residual[logits_indices]
+        ops.fused_add_rms_norm(x, residual, self.final_norm, cfg.rms_norm_eps)
+        return x
+
+    def _layers(self, hidden: Any, positions: Any, attn: AttentionMetadata,
+                kv_caches: list[Any]) -> tuple[Any, Any]:
+        """Every layer, op by op: ``(x, residual)`` before the final norm."""
+        ops, cfg = self.ops, self.config
         residual = hidden
         x = ops.rms_norm(hidden, self.layers[0].input_norm, cfg.rms_norm_eps)
         for i, layer in enumerate(self.layers):
@@ -196,10 +211,7 @@ class LlamaModel:
             x = self._attention(layer, x, positions, attn, kv_caches[i])
             ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
             x = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
-        # Only the sampled rows need the final norm and the LM head.
-        x, residual = x[logits_indices], residual[logits_indices]
-        ops.fused_add_rms_norm(x, residual, self.final_norm, cfg.rms_norm_eps)
-        return x
+        return x, residual
 
     def _attention(self, layer: LayerWeights, x: Any, positions: Any,
                    attn: AttentionMetadata, kv_cache: Any) -> Any:

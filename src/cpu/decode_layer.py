@@ -1,0 +1,198 @@
+"""Numba kernel of a fused CPU decode step: whole decoder layers in one compiled call.
+
+A decode-only batch (every sequence has exactly one new token) runs the
+layers ``[l0, l1)`` of the model in :func:`decode_layers`, one call for the
+step (or one per layer): per layer (residual add +) RMSNorm, the QKV product
+(+ bias), NeoX RoPE, the K/V write into the paged cache, paged attention
+(GQA), the output product, residual add + RMSNorm, the gate/up product,
+SiLU-and-mul and the down product. The op-by-op path
+(``LlamaModel.hidden_states`` over ``CpuOps``) makes about eight Python-level
+op calls per layer, each with its own checks, allocations and compiled-call
+entry; this one makes none (``kvserve.cpu.decode_path`` checks the step's
+metadata once, before the call).
+
+The products call the op path's own range kernels (``kernels.f32_gemv_range``,
+``block_kernels.q4_gemv_range`` / ``q8_gemv_range``) on the same rows, and the
+attention its ``kernels._attend_tile``, so each output channel is summed in
+the same order as there; norms, RoPE and SiLU repeat the op kernels'
+arithmetic. The result equals the op path's, up to what LLVM does
+differently when it inlines the helpers (measured: identical greedy tokens).
+
+Parallelism: each product is one ``prange`` over ``n_chunks`` ranges of
+whole groups of four output channels (the gate/up product's chunk also
+applies SiLU-and-mul to its channels), and RoPE + KV write + attention one
+``prange`` over (sequence, KV head): four parallel regions per layer plus
+one, which with the OpenMP threading layer cost about 1.3 us each.
+
+Weights, per product, are a 7-tuple ``(kind, N, dense, q4_codes, q8_codes, d,
+m)`` (``N`` output channels; ``DENSE``: float32[N, K] ``dense``; ``Q4``: uint8
+``q4_codes`` with ``d`` and ``m``; ``Q8``: int8 ``q8_codes`` with ``d``), the
+unused members 1 x 1 placeholders, so that every weight form shares one type and the kernel
+compiles once. A layer is the tuple ``(input_norm, post_norm, qkv, qkv_bias,
+o_proj, gate_up, down)``, ``qkv_bias`` float32[0] when the model has none.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from kvserve.cpu.block_kernels import q4_gemv_range, q8_gemv_range
+from kvserve.cpu.kernels import _attend_tile, f32_gemv_range
+
+#: Weight kinds of the 7-tuples.
+DENSE, Q4, Q8 = 0, 1, 2
+
+
+@njit(nogil=True, cache=True)
+def _gemv_range(x, w, out, lo, hi):
+    """out[:, lo:hi] = x @ W[lo:hi].T for a weight 7-tuple ``w``."""
+    kind, _, dense, q4_codes, q8_codes, d, m = w
+    if kind == DENSE:
+        f32_gemv_range(x, dense, out, lo, hi)
+    elif kind == Q4:
+        q4_gemv_range(x, q4_codes, d, m, out, lo, hi)
+    else:
+        q8_gemv_range(x, q8_codes, d, out, lo, hi)
+
+
+@njit(nogil=True, cache=True)
+def _span(c, n_chunks, n):
+    """Channels [lo, hi) of chunk c of n, in whole groups of four, spread evenly."""
+    groups = (n + 3) // 4
+    lo = c * groups // n_chunks * 4
+    hi = min((c + 1) * groups // n_chunks * 4, n)
+    return lo, hi
+
+
+@njit(nogil=True, cache=True)
+def _add_rms_norm(x, residual, weight, eps, add, out):
+    """``residual += x`` when ``add``, then ``out = rms_norm(residual)``: the
+    arithmetic of ``kernels.fused_add_rms_norm_kernel`` / ``rms_norm_kernel``
+    (sum of squares in float64). x, residual, out: float32[S, H]."""
+    S, H = residual.shape
+    for t in range(S):
+        ss = 0.0
+        for i in range(H):
+            r = residual[t, i]
+            if add:
+                r = r + x[t, i]
+                residual[t, i] = r
+            rd = np.float64(r)
+            ss += rd * rd
+        inv = np.float32(1.0 / np.sqrt(ss / H + eps))
+        for i in range(H):
+            out[t, i] = (residual[t, i] * inv) * weight[i]
+
+
+@njit(nogil=True, cache=True)
+def _rope_kv_attend(s, kvh, qkv, positions, rope, kv_cache, slots, block_tables, seq_lens,
+                    scale, nh, nkv, q, att):
+    """Sequence s, KV head kvh: rotate its K and write K/V at ``slots[s]``
+    (skipped when negative), rotate the group's query heads into ``q`` and
+    attend over the sequence's ``seq_lens[s]`` cached positions into ``att``."""
+    hd = q.shape[2]
+    half = hd // 2
+    group = nh // nkv
+    bs = kv_cache.shape[2]
+    p = positions[s]
+    koff = nh * hd + kvh * hd
+    voff = (nh + nkv) * hd + kvh * hd
+    slot = slots[s]
+    if slot >= 0:
+        b = slot // bs
+        o = slot - b * bs
+        for i in range(half):
+            c = rope[p, i]
+            sn = rope[p, half + i]
+            k1 = qkv[s, koff + i]
+            k2 = qkv[s, koff + half + i]
+            kv_cache[b, 0, o, kvh, i] = k1 * c - k2 * sn
+            kv_cache[b, 0, o, kvh, half + i] = k2 * c + k1 * sn
+        for i in range(hd):
+            kv_cache[b, 1, o, kvh, i] = qkv[s, voff + i]
+    for g in range(group):
+        h = kvh * group + g
+        qoff = h * hd
+        for i in range(half):
+            c = rope[p, i]
+            sn = rope[p, half + i]
+            q1 = qkv[s, qoff + i]
+            q2 = qkv[s, qoff + half + i]
+            q[s, h, i] = q1 * c - q2 * sn
+            q[s, h, half + i] = q2 * c + q1 * sn
+    _attend_tile(q, kv_cache, block_tables[s], scale, s, 1, seq_lens[s] - 1, kvh, group, att)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, rope, slots,
+                  block_tables, seq_lens, eps, scale, nh, nkv, n_chunks):
+    """Layers [l0, l1) of a decode-only batch of S sequences, in place.
+
+    Args:
+        x: float32[S, H], the previous layer's MLP output; on return layer
+            ``l1 - 1``'s. Ignored when ``add_first`` is False.
+        residual: float32[S, H], the residual stream (``x`` is added to it
+            first when ``add_first``; for layer 0 the embeddings, with
+            ``add_first`` False).
+        layers: a typed List of layer tuples (module docstring), one per layer.
+        kv_caches: a typed List of float32[num_blocks, 2, block_size, nkv, hd].
+        positions: int64[S]; rope: float32[max_pos, hd] (``build_rope_cache``);
+        slots: int64[S] (negative: not written); block_tables: int32[S, B];
+        seq_lens: int32[S], each sequence's context after this step.
+        eps, scale: RMSNorm epsilon and attention scale (float32);
+        nh, nkv: query and KV heads; n_chunks: output-channel ranges per product.
+
+    Unchecked: the caller (``decode_path``) checks positions, slots, block
+    ids and seq_lens against the cache and the tables.
+    """
+    S, H = x.shape
+    hd = rope.shape[1]
+    add = add_first
+    xn = np.empty((S, H), np.float32)
+    q = np.empty((S, nh, hd), np.float32)
+    att = np.empty((S, nh, hd), np.float32)
+    for li in range(l0, l1):
+        input_norm, post_norm, qkv_w, qkv_bias, o_w, gate_up_w, down_w = layers[li]
+        kv_cache = kv_caches[li]
+        _add_rms_norm(x, residual, input_norm, eps, add, xn)
+        add = True
+
+        n_qkv = (nh + 2 * nkv) * hd
+        qkv = np.empty((S, n_qkv), np.float32)
+        for c in prange(n_chunks):
+            lo, hi = _span(c, n_chunks, n_qkv)
+            _gemv_range(xn, qkv_w, qkv, lo, hi)
+            if qkv_bias.shape[0]:
+                for t in range(S):
+                    for n in range(lo, hi):
+                        qkv[t, n] += qkv_bias[n]
+
+        att[:] = 0.0
+        for item in prange(S * nkv):
+            s = item // nkv
+            _rope_kv_attend(s, item - s * nkv, qkv, positions, rope, kv_cache, slots,
+                            block_tables, seq_lens, scale, nh, nkv, q, att)
+
+        att2 = att.reshape(S, nh * hd)
+        for c in prange(n_chunks):
+            lo, hi = _span(c, n_chunks, H)
+            _gemv_range(att2, o_w, x, lo, hi)
+
+        _add_rms_norm(x, residual, post_norm, eps, True, xn)
+
+        inter = gate_up_w[1] // 2
+        gu = np.empty((S, 2 * inter), np.float32)
+        act = np.empty((S, inter), np.float32)
+        for c in prange(n_chunks):
+            lo, hi = _span(c, n_chunks, inter)
+            _gemv_range(xn, gate_up_w, gu, lo, hi)
+            _gemv_range(xn, gate_up_w, gu, inter + lo, inter + hi)
+            for t in range(S):
+                for i in range(lo, hi):
+                    a = gu[t, i]
+                    act[t, i] = a / (np.float32(1.0) + np.exp(-a)) * gu[t, inter + i]
+
+        for c in prange(n_chunks):
+            lo, hi = _span(c, n_chunks, H)
+            _gemv_range(act, down_w, x, lo, hi)

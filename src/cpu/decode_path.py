@@ -1,0 +1,258 @@
+"""The fused CPU decode step: when it applies, and the checks before the kernel.
+
+``CpuOps.decode_layers`` (called by ``LlamaModel.hidden_states``) hands a
+decode-only step here; :func:`decode_layers` runs every decoder layer in
+``kvserve.cpu.decode_layer.decode_layers`` (one compiled call for the step)
+and returns ``(x, residual)``, or None where the op-by-op path must run:
+
+- ``KVSERVE_CPU_FUSED_DECODE=0`` in the environment (``=layer``: one
+  compiled call per layer instead of one per step, for measurement);
+- a batch that is not decode-only (a sequence with other than one new
+  token), or more sequences than ``DENSE_MAX_SEQS`` (float32 weights: the op
+  path moves to BLAS sgemm there) or ``BLOCK_MAX_SEQS`` (GGUF blocks);
+- a layer weight other than float32 dense or a q4 / q8 ``BlockQuantizedWeight``
+  (int8, w8a8), or shapes that are not the model's;
+- metadata the op path's kernels would reject (a position outside the RoPE
+  table, a slot beyond the cache, a block id out of range, a block table
+  too narrow): the op path then raises its own error.
+
+The layer tuples and the typed list of KV caches are built once per model
+and per cache list (a weak cache on the model), so a step costs the checks
+of its S-element metadata arrays and one call.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+import numpy as np
+from numba.typed import List
+
+from kvserve.cpu import decode_layer as dl
+from kvserve.cpu.block_ops import check_weight
+from kvserve.cpu.parallel import PARALLEL_REGION
+from kvserve.model.ggml_blocks import BlockQuantizedWeight
+
+#: Environment switch: ``0`` turns the fused path off, ``layer`` makes it
+#: one compiled call per layer (default: one per step).
+ENV = "KVSERVE_CPU_FUSED_DECODE"
+#: Most sequences of a fused step with float32 weights (``ops.DENSE_GEMV_MAX_ROWS``:
+#: above it the op path's products are BLAS sgemm).
+DENSE_MAX_SEQS = 12
+#: Most sequences of a fused step with GGUF block weights (``block_ops.GEMV_MAX_ROWS``).
+BLOCK_MAX_SEQS = 256
+
+_F32 = np.zeros((1, 1), np.float32)
+_U8 = np.zeros((1, 1), np.uint8)
+_I8 = np.zeros((1, 1), np.int8)
+_NO_BIAS = np.zeros(0, np.float32)
+
+
+class _Prepared:
+    """A model's layers as kernel tuples (``layers``: typed List), or
+    ``layers`` None when some weight has no fused form."""
+
+    def __init__(self, model: Any) -> None:
+        self.layer_objs = list(model.layers)
+        self.rope = model.rope_cache
+        self.dense = False
+        self.caches: tuple = ()
+        self.cache_list = None
+        cfg = model.config
+        self.nh, self.nkv, self.hd = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                      cfg.head_dim)
+        self.eps = float(cfg.rms_norm_eps)
+        self.scale = np.float32(model.scale)
+        tuples = [self._layer(layer, cfg) for layer in self.layer_objs]
+        ok = (all(t is not None for t in tuples) and len(tuples) > 0
+              and _f32(self.rope, 2) and self.rope.shape[1] == self.hd and self.hd % 2 == 0
+              and self.nh % self.nkv == 0)
+        self.layers = None
+        if ok:
+            self.layers = List()
+            for t in tuples:
+                self.layers.append(t)
+
+    def _layer(self, layer: Any, cfg: Any) -> tuple | None:
+        H, hd = cfg.hidden_size, cfg.head_dim
+        n_qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
+        inter = cfg.intermediate_size
+        shapes = ((layer.qkv, n_qkv, H), (layer.o_proj, H, cfg.num_attention_heads * hd),
+                  (layer.gate_up, 2 * inter, H), (layer.down, H, inter))
+        weights = [self._weight(w, n, k) for w, n, k in shapes]
+        norms_ok = all(_f32(a, 1) and a.shape == (H,)
+                       for a in (layer.input_norm, layer.post_norm))
+        bias = _NO_BIAS if layer.qkv_bias is None else layer.qkv_bias
+        if any(w is None for w in weights) or not norms_ok or not _f32(bias, 1) \
+                or (layer.qkv_bias is not None and bias.shape != (n_qkv,)):
+            return None
+        qkv, o_proj, gate_up, down = weights
+        return (layer.input_norm, layer.post_norm, qkv, bias, o_proj, gate_up, down)
+
+    def _weight(self, w: Any, n: int, k: int) -> tuple | None:
+        if isinstance(w, np.ndarray):
+            if not _f32(w, 2) or w.shape != (n, k):
+                return None
+            self.dense = True
+            return (dl.DENSE, n, w, _U8, _I8, _F32, _F32)
+        if isinstance(w, BlockQuantizedWeight):
+            try:
+                check_weight(w)
+            except ValueError:
+                return None
+            if w.shape != (n, k) or not all(a.flags.writeable for a in (w.qs, w.d)) \
+                    or (w.m is not None and not w.m.flags.writeable):
+                return None
+            if w.kind == "q4":
+                return (dl.Q4, n, _F32, w.qs, _I8, w.d, w.m)
+            return (dl.Q8, n, _F32, _U8, w.qs, w.d, _F32)
+        return None
+
+    def matches(self, model: Any) -> bool:
+        """Still the model's layers (a test may swap weights in place)."""
+        layers = model.layers
+        return (len(layers) == len(self.layer_objs) and model.rope_cache is self.rope
+                and all(a is b for a, b in zip(layers, self.layer_objs)))
+
+    def cache_list_for(self, kv_caches: list) -> Any:
+        """The typed List of ``kv_caches`` (rebuilt when the list changes), or
+        None when one is not a writeable C-contiguous float32
+        [num_blocks, 2, block_size, nkv, hd] of the first one's shape."""
+        if len(kv_caches) == len(self.caches) and all(
+                a is b for a, b in zip(kv_caches, self.caches)):
+            return self.cache_list
+        shape = getattr(kv_caches[0], "shape", None) if kv_caches else None
+        ok = (len(kv_caches) == len(self.layer_objs) and shape is not None and len(shape) == 5
+              and shape[1] == 2 and shape[3] == self.nkv and shape[4] == self.hd
+              and all(isinstance(c, np.ndarray) and c.dtype == np.float32 and c.shape == shape
+                      and c.flags.c_contiguous and c.flags.writeable for c in kv_caches))
+        typed = None
+        if ok:
+            typed = List()
+            for c in kv_caches:
+                typed.append(c)
+        self.caches, self.cache_list = tuple(kv_caches), typed
+        return typed
+
+
+_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _f32(a: Any, ndim: int) -> bool:
+    return (isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim == ndim
+            and a.flags.c_contiguous and a.flags.writeable)
+
+
+def _prepared(model: Any) -> _Prepared | None:
+    prep = _PREPARED.get(model)
+    if prep is None or not prep.matches(model):
+        try:
+            prep = _Prepared(model)
+        except (AttributeError, TypeError):
+            return None
+        _PREPARED[model] = prep
+    return prep if prep.layers is not None else None
+
+
+def _int(a: Any, dtype: type) -> np.ndarray:
+    a = np.ascontiguousarray(a, dtype=dtype)
+    return a if a.flags.writeable else a.copy()
+
+
+def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
+                  kv_caches: list, num_threads: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """All decoder layers of a decode-only step, fused; None where the op path runs.
+
+    Args:
+        hidden: float32[S, H], the embeddings of the step's S tokens.
+        model: the ``LlamaModel`` (config, layers, rope_cache, scale).
+        positions, attn: as ``LlamaModel.hidden_states``.
+        kv_caches: one cache per layer; written at ``attn.slot_mapping``.
+        num_threads: Numba threads (``CpuOps._threads()``, already applied):
+            the output-channel ranges of each product.
+
+    Returns:
+        ``(x, residual)`` float32[S, H]: the last layer's MLP output and the
+        residual stream before the final norm (``hidden`` is the residual
+        buffer, updated in place, as on the op path).
+    """
+    mode = os.environ.get(ENV, "1")
+    if mode == "0":
+        return None
+    sl = np.asarray(attn.seq_lens)
+    S = sl.shape[0] if sl.ndim == 1 else -1
+    if S < 1 or getattr(hidden, "shape", None) != (S, model.config.hidden_size):
+        return None
+    qsl = np.asarray(attn.query_start_loc)
+    if qsl.shape != (S + 1,) or not np.array_equal(qsl, np.arange(S + 1)):
+        return None
+    prep = _prepared(model)
+    if prep is None or S > (DENSE_MAX_SEQS if prep.dense else BLOCK_MAX_SEQS):
+        return None
+    caches = prep.cache_list_for(kv_caches)
+    if caches is None:
+        return None
+    pos = _int(positions, np.int64)
+    slots = _int(attn.slot_mapping, np.int64)
+    bt = _int(attn.block_tables, np.int32)
+    sl = _int(sl, np.int32)
+    if not _metadata_ok(pos, slots, bt, sl, S, kv_caches[0].shape, prep.rope.shape[0]):
+        return None
+    residual = hidden
+    if not _f32(residual, 2):
+        residual = np.array(hidden, dtype=np.float32, order="C")
+    x = np.empty_like(residual)
+    if mode == "layer":
+        with PARALLEL_REGION:
+            for i in range(len(prep.layer_objs)):
+                dl.decode_layers(i, i + 1, x, residual, i > 0, prep.layers, caches, pos,
+                                 prep.rope, slots, bt, sl, prep.eps, prep.scale, prep.nh,
+                                 prep.nkv, num_threads)
+    else:
+        with PARALLEL_REGION:
+            dl.decode_layers(0, len(prep.layer_objs), x, residual, False, prep.layers, caches,
+                             pos, prep.rope, slots, bt, sl, prep.eps, prep.scale, prep.nh,
+                             prep.nkv, num_threads)
+    return x, residual
+
+
+def _metadata_ok(pos: np.ndarray, slots: np.ndarray, bt: np.ndarray, sl: np.ndarray, S: int,
+                 cache_shape: tuple, max_pos: int) -> bool:
+    """What the op path's kernels check, for the fused kernel (which does not)."""
+    nb, bs = cache_shape[0], cache_shape[2]
+    if pos.shape != (S,) or slots.shape != (S,) or bt.ndim != 2 or bt.shape[0] != S:
+        return False
+    if pos.min() < 0 or pos.max() >= max_pos or slots.max() >= nb * bs or sl.min() < 1:
+        return False
+    needed = (sl.astype(np.int64) + bs - 1) // bs
+    if needed.max() > bt.shape[1]:
+        return False
+    used = bt[np.arange(bt.shape[1])[None, :] < needed[:, None]]
+    return bool(used.min() >= 0 and used.max() < nb)
+
+
+def warmup() -> None:
+    """Compile (or load from Numba's cache) the fused kernel on a tiny layer of
+    every weight form, so that the first decode step does not pay JIT time."""
+    H, nh, nkv, hd, bs = 32, 2, 1, 16, 4
+    rng = np.random.default_rng(0)
+
+    def dense(n: int) -> tuple:
+        return (dl.DENSE, n, rng.standard_normal((n, H), dtype=np.float32), _U8, _I8, _F32, _F32)
+
+    ones = np.ones((H, 1), np.float32)
+    q4 = (dl.Q4, H, _F32, np.zeros((H, H // 2), np.uint8), _I8, ones, ones)
+    q8 = (dl.Q8, H, _F32, _U8, np.ones((H, H), np.int8), ones, _F32)
+    layers = List()
+    layers.append((np.ones(H, np.float32), np.ones(H, np.float32), dense((nh + 2 * nkv) * hd),
+                   _NO_BIAS, q4, dense(2 * H), q8))
+    caches = List()
+    caches.append(np.zeros((2, 2, bs, nkv, hd), np.float32))
+    x = np.ones((1, H), np.float32)
+    with PARALLEL_REGION:
+        dl.decode_layers(0, 1, x, x.copy(), False, layers, caches, np.zeros(1, np.int64),
+                         np.ones((4, hd), np.float32), np.zeros(1, np.int64),
+                         np.zeros((1, 2), np.int32), np.ones(1, np.int32), 1e-5,
+                         np.float32(0.25), nh, nkv, 1)

@@ -1,0 +1,158 @@
+"""The fused CPU decode step (``kvserve.cpu.decode_layer`` / ``decode_path``)
+against the op-by-op path it replaces.
+
+Tiny random-weight Llamas (``tests/model/tiny_llama.py``: GQA 2 with a tied
+head, GQA 1 with q/k/v bias and an untied head), with float32 weights and
+with GGUF blocks (Q4_1, Q4_0 and Q8_0 projections, as ``--quantization q4``
+serves them). Three sequences are prefilled to contexts of 5, 13 and 22
+tokens in blocks of 4 (shuffled physical blocks), then two decode steps run
+on copies of the state, fused (``KVSERVE_CPU_FUSED_DECODE`` unset, and
+``=layer``) and op by op (``=0``): batches of one and of three sequences.
+The logits and every KV cache must agree, the second step reading the K/V
+the first one wrote.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf.quants import quantize as gguf_quantize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from tiny_llama import SPECS, load_tiny  # noqa: E402
+
+from kvserve.cpu import decode_layer, decode_path  # noqa: E402
+from kvserve.cpu.ops import CpuOps  # noqa: E402
+from kvserve.model.ggml_blocks import from_gguf_bytes  # noqa: E402
+from kvserve.model.llama import AttentionMetadata, LlamaModel  # noqa: E402
+
+#: As the forward tests' REL_TOL: max |fused - op path| <= TOL * max |op path|.
+TOL = 2e-5
+BLOCK = 4
+CONTEXTS = (5, 13, 22)
+#: GGUF type per projection for the block form (both 4-bit kinds and Q8_0).
+TYPES = {"q_proj": "Q4_1", "k_proj": "Q4_1", "v_proj": "Q4_1", "o_proj": "Q8_0",
+         "gate_proj": "Q4_0", "up_proj": "Q4_0", "down_proj": "Q4_1"}
+
+
+def _blocks(weights: dict) -> dict:
+    """The projections of ``weights`` as ``BlockQuantizedWeight`` s (gguf-py's quantizer)."""
+    out = dict(weights)
+    for name, w in weights.items():
+        kind = TYPES.get(name.split(".")[-2]) if name.endswith(".weight") else None
+        if kind is not None:
+            raw = gguf_quantize(w, gguf.GGMLQuantizationType[kind])
+            out[name] = from_gguf_bytes(np.asarray(raw).reshape(-1), kind, w.shape)
+    return out
+
+
+@pytest.fixture(scope="module", params=[(s, f) for s in SPECS for f in ("f32", "q4")],
+                ids=[f"{s.name}-{f}" for s in SPECS for f in ("f32", "q4")])
+def model(request, tmp_path_factory):
+    spec, form = request.param
+    config, weights = load_tiny(tmp_path_factory.mktemp(spec.name), spec)
+    if form == "q4":
+        return LlamaModel(config, _blocks(weights), CpuOps(num_threads=2), "q4")
+    return LlamaModel(config, weights, CpuOps(num_threads=2))
+
+
+def _step(model, caches, tables, chunks):
+    """``model.forward`` of (seq, tokens, first position) chunks; every row's logits."""
+    toks, pos, qsl = [], [], [0]
+    for _, t, p0 in chunks:
+        toks += t
+        pos.append(np.arange(p0, p0 + len(t)))
+        qsl.append(qsl[-1] + len(t))
+    positions = np.concatenate(pos)
+    seq_of = np.repeat([s for s, _, _ in chunks], [len(t) for _, t, _ in chunks])
+    slots = tables[seq_of, positions // BLOCK].astype(np.int64) * BLOCK + positions % BLOCK
+    attn = AttentionMetadata(
+        slot_mapping=slots, block_tables=tables[[s for s, _, _ in chunks]],
+        seq_lens=np.array([p0 + len(t) for _, t, p0 in chunks], np.int32),
+        query_start_loc=np.array(qsl, np.int32))
+    return model.forward(np.array(toks, np.int64), positions, attn, caches,
+                         np.arange(len(toks), dtype=np.int64))
+
+
+@pytest.fixture(scope="module")
+def prefilled(model):
+    """Caches and block tables after prefilling three sequences (op path)."""
+    cfg = model.config
+    rng = np.random.default_rng(7)
+    blocks_per_seq = 8
+    tables = rng.permutation(3 * blocks_per_seq + 2)[:3 * blocks_per_seq] \
+        .astype(np.int32).reshape(3, blocks_per_seq)
+    caches = [model.ops.allocate_kv_cache(3 * blocks_per_seq + 2, BLOCK,
+                                          cfg.num_key_value_heads, cfg.head_dim)
+              for _ in range(cfg.num_hidden_layers)]
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in CONTEXTS]
+    _step(model, caches, tables, [(s, p, 0) for s, p in enumerate(prompts)])
+    return caches, tables
+
+
+def _decode_twice(model, prefilled, seqs, monkeypatch, mode):
+    """Two decode steps of ``seqs`` on a copy of ``prefilled`` with
+    ``KVSERVE_CPU_FUSED_DECODE=mode`` (None: unset); (logits, caches, fused calls)."""
+    if mode is None:
+        monkeypatch.delenv(decode_path.ENV, raising=False)
+    else:
+        monkeypatch.setenv(decode_path.ENV, mode)
+    calls = []
+    kernel = decode_layer.decode_layers
+
+    def counted(*args):
+        calls.append(args[:2])
+        return kernel(*args)
+
+    monkeypatch.setattr(decode_layer, "decode_layers", counted)
+    caches = [c.copy() for c in prefilled[0]]
+    tables = prefilled[1]
+    vocab = model.config.vocab_size
+    logits = []
+    for step in range(2):
+        chunks = [(s, [(11 * s + 5 * step + 3) % vocab], CONTEXTS[s] + step) for s in seqs]
+        logits.append(np.array(_step(model, caches, tables, chunks)))
+    return logits, caches, calls
+
+
+@pytest.mark.parametrize("seqs", [(1,), (0, 1, 2)], ids=["batch1", "batch3"])
+def test_fused_decode_matches_op_path(model, prefilled, seqs, monkeypatch):
+    ref_logits, ref_caches, ref_calls = _decode_twice(model, prefilled, seqs, monkeypatch, "0")
+    assert not ref_calls
+    layers = model.config.num_hidden_layers
+    for mode, calls_per_step in ((None, [(0, layers)]),
+                                 ("layer", [(i, i + 1) for i in range(layers)])):
+        logits, caches, calls = _decode_twice(model, prefilled, seqs, monkeypatch, mode)
+        assert calls == 2 * calls_per_step, mode
+        for got, ref in zip(logits, ref_logits):
+            assert np.abs(got - ref).max() <= TOL * np.abs(ref).max(), mode
+            assert (got.argmax(1) == ref.argmax(1)).all(), mode
+        for got, ref in zip(caches, ref_caches):
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+
+
+def test_mixed_batch_takes_op_path(model, prefilled, monkeypatch):
+    """A prefill chunk next to a decode: no fused call, and the op path's result."""
+    monkeypatch.delenv(decode_path.ENV, raising=False)
+    calls = []
+    kernel = decode_layer.decode_layers
+    monkeypatch.setattr(decode_layer, "decode_layers",
+                        lambda *a: calls.append(1) or kernel(*a))
+    caches = [c.copy() for c in prefilled[0]]
+    _step(model, caches, prefilled[1], [(0, [1], CONTEXTS[0]), (1, [2, 3], CONTEXTS[1])])
+    assert not calls
+
+
+def test_warmup_compiles_the_steps_signature(model, prefilled, monkeypatch):
+    """``CpuOps.warmup`` (``decode_path.warmup``) compiles the very signature
+    a real step uses: it adds none after one."""
+    kernel = decode_layer.decode_layers
+    _decode_twice(model, prefilled, (0,), monkeypatch, None)
+    monkeypatch.undo()
+    compiled = set(kernel.signatures)
+    decode_path.warmup()
+    assert set(kernel.signatures) == compiled
