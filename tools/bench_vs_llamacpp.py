@@ -31,6 +31,15 @@ Usage::
         --out results/vs.json
     make bench-llamacpp ARGS="--quick"
 
+Each run also records what travels between machines: the machine's
+calibration (``kvserve.bench.calibration``: a fixed NumPy GEMM, one core's
+memory read and copy; and ``llama-bench`` pp512 / tg128), kvserve's step
+split per load run (mean seconds of schedule / prepare / forward / sample /
+emit per step, from two scrapes of ``kvserve:step_phase_seconds``), the
+decode step's forward time against the time one core takes to read the
+weights once, and every ``threads_adapted`` event of the run (the thread
+count must not flap).
+
 The Markdown table (metric | llama.cpp | kvserve | kvserve / llama.cpp) is
 printed last, with the load average before and after, kvserve's git commit
 and the llama.cpp version; ``--out`` gets everything as JSON, and the server
@@ -48,9 +57,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.request
 from pathlib import Path
 
 from kvserve.bench import replay
+from kvserve.bench.calibration import calibrate
 from kvserve.bench.server import ServerProcess, exit_on_sigterm
 from kvserve.bench.trace import TraceRequest
 from kvserve.model.default_model import WHEEL_MEMBER, _fetch_gguf, cache_dir
@@ -154,14 +165,51 @@ def make_requests(tag: str, n: int, prompt_tokens: int, output_tokens: int) -> l
                          output_tokens=output_tokens) for i in range(n)]
 
 
+def step_phases(base_url: str) -> dict[str, list[float]] | None:
+    """``{phase: [sum seconds, count]}`` of kvserve's ``step_phase_seconds``
+    histogram now; None for a server without it (llama.cpp)."""
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=30) as response:
+            text = response.read().decode("utf-8", "replace")
+    except (OSError, ValueError):  # llama.cpp has no /metrics unless asked
+        return None
+    phases: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        if not line.startswith("kvserve:step_phase_seconds_"):
+            continue
+        name, _, value = line.rpartition(" ")
+        kind = name.split("{", 1)[0].rsplit("_", 1)[-1]
+        if kind not in ("sum", "count"):
+            continue
+        phase = name.split('phase="', 1)[1].split('"', 1)[0]
+        phases.setdefault(phase, [0.0, 0.0])[kind == "count"] = float(value)
+    return phases or None
+
+
+def phase_means(before: dict | None, after: dict | None) -> dict | None:
+    """Mean milliseconds per step of each phase between two ``step_phases``."""
+    if before is None or after is None:
+        return None
+    means = {}
+    for phase, (total, count) in after.items():
+        t0, c0 = before.get(phase, [0.0, 0.0])
+        if count > c0:
+            means[phase] = round((total - t0) / (count - c0) * 1000.0, 3)
+    steps = max((after[p][1] - before.get(p, [0, 0])[1] for p in after), default=0)
+    return {"ms_per_step": means, "steps": int(steps)}
+
+
 def load_run(base_url: str, concurrency: int, n: int, output_tokens: int,
              temperature: float, top_p: float | None) -> dict:
     """One closed-loop run; its summary plus checks that token counts came
-    from usage and that every request produced ``output_tokens``."""
+    from usage and that every request produced ``output_tokens``, and (for
+    kvserve) the mean step split over the run."""
     tag = f"t{temperature:g}-c{concurrency}"
+    phases_before = step_phases(base_url)
     results, duration = send(base_url, make_requests(tag, n, PROMPT_WORDS, output_tokens),
                              concurrency, temperature, top_p)
     summary = replay.summarize(results, duration)
+    summary["step_split"] = phase_means(phases_before, step_phases(base_url))
     ok = [r for r in results if r.success]
     summary["checks"] = {
         "usage_counted": sum(r.output_tokens_source == "usage" for r in ok),
@@ -213,8 +261,27 @@ def measure_kvserve(args: argparse.Namespace, out_dir: Path) -> dict:
     else:
         server_process = ServerProcess(flags, log_path=out_dir / "kvserve.log")
     with server_process as server:
-        return {"command": server.args, "load": load_runs(server.base_url, args),
-                "prefill": prefill_run(server.base_url), "loadavg": [before, _loadavg()]}
+        result = {"command": server.args, "load": load_runs(server.base_url, args),
+                  "prefill": prefill_run(server.base_url), "loadavg": [before, _loadavg()]}
+    result.update(log_facts(out_dir / "kvserve.log"))
+    return result
+
+
+def log_facts(log: Path) -> dict:
+    """From kvserve's JSON log: every ``threads_adapted`` event (time, from,
+    to) and the weights' bytes (``model_loaded``/``engine_ready``)."""
+    changes, weights = [], None
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == "threads_adapted":
+            changes.append({"timestamp": event.get("timestamp"), "from": event.get("previous"),
+                            "to": event.get("num_threads"),
+                            "other_runnable": event.get("other_runnable")})
+        weights = event.get("weights_bytes", weights)
+    return {"thread_changes": len(changes), "thread_events": changes, "weights_bytes": weights}
 
 
 def llama_server(binary: Path, gguf: Path, slots: int, context: int, log: Path) -> ServerProcess:
@@ -239,6 +306,7 @@ def measure_llamacpp(args: argparse.Namespace, out_dir: Path) -> dict:
                       out_dir / "llama-server-prefill.log") as server:
         result["prefill"] = prefill_run(server.base_url)
     result["llama_bench"] = llama_bench(binaries["llama-bench"], gguf)
+    result["llama_bench_pp512_tg128"] = llama_bench_standard(binaries["llama-bench"], gguf)
     result["loadavg"] = [before, _loadavg()]
     return result
 
@@ -250,6 +318,29 @@ def llama_bench(binary: Path, gguf: Path) -> dict:
     row = json.loads(out)[0]
     return {"tokens_per_s": row["avg_ts"], "stddev": row["stddev_ts"],
             "build_commit": row.get("build_commit"), "build_number": row.get("build_number")}
+
+
+def llama_bench_standard(binary: Path, gguf: Path) -> dict:
+    """``llama-bench -p 512 -n 128 -t 2``: llama.cpp's own calibration pair,
+    ``{"pp512": tokens/s, "tg128": tokens/s}``."""
+    out = _check([str(binary), "-m", str(gguf), "-p", "512", "-n", "128", "-t", "2",
+                  "-o", "json"])
+    rows = json.loads(out)
+    return {("pp512" if row.get("n_prompt") else "tg128"): round(row["avg_ts"], 1)
+            for row in rows}
+
+
+def decode_floor(result: dict) -> dict | None:
+    """kvserve's forward ms per step at one client against the ms one core
+    needs to read the weights once (``weights_bytes / read_gbs``)."""
+    weights = _get(result, "kvserve", "weights_bytes")
+    read = _get(result, "calibration", "read_gbs")
+    forward = _get(result, "kvserve", "load", "0", "1", "step_split", "ms_per_step", "forward")
+    if not (weights and read and forward):
+        return None
+    floor = weights / (read * 1e9) * 1000.0
+    return {"forward_ms": forward, "weights_read_ms": round(floor, 3),
+            "forward_over_read": round(forward / floor, 2)}
 
 
 # --------------------------------------------------------------------------- report
@@ -321,7 +412,20 @@ def format_report(result: dict) -> str:
         f"kvserve: git {git['commit']}{' (dirty)' if git['dirty'] else ''}",
         f"llama.cpp: {SDIST} {llama.get('sdist_version', '-')} sdist, build "
         f"{build.get('build_number', '-')} ({build.get('build_commit', '-')})",
+        f"calibration: {calibration_line(result)}",
+        f"kvserve thread changes during the run: "
+        f"{_get(result, 'kvserve', 'thread_changes')}",
+        f"decode step at 1 client: {result.get('decode_floor')}",
         f"results: {result['out']}"])
+
+
+def calibration_line(result: dict) -> str:
+    """The machine's calibration in one line (NumPy figures and llama-bench's)."""
+    cal = result.get("calibration") or {}
+    pair = _get(result, "llamacpp", "llama_bench_pp512_tg128") or {}
+    return (f"NumPy GEMM {cal.get('gemm_gflops')} GFLOP/s, one-core read "
+            f"{cal.get('read_gbs')} GB/s, copy {cal.get('copy_gbs')} GB/s; llama-bench "
+            f"pp512 {pair.get('pp512', '-')} tok/s, tg128 {pair.get('tg128', '-')} tok/s")
 
 
 # --------------------------------------------------------------------------- CLI
@@ -360,10 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict = {"config": vars(args), "out": str(out), "kvserve_git": replay.git_info(),
-                    "machine": replay.machine_info(), "loadavg_before": _loadavg()}
+                    "machine": replay.machine_info(), "loadavg_before": _loadavg(),
+                    "calibration": calibrate()}
     if not args.skip_llamacpp:  # first: the build, if needed, fails early
         result["llamacpp"] = measure_llamacpp(args, out.parent)
     result["kvserve"] = measure_kvserve(args, out.parent)
+    result["decode_floor"] = decode_floor(result)
     result["loadavg_after"] = _loadavg()
     out.write_text(json.dumps(result, indent=1), encoding="utf-8")
     print(format_report(result))
