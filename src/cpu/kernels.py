@@ -36,7 +36,7 @@ from numba import njit, prange
 # products and attention run on all cores. OpenMP's threads spin for a
 # while after a region and then steal the cores from OpenBLAS's threads
 # (measured once: a decode step of 8 sequences took 490 ms instead of 100);
-# kvserve/__init__.py therefore caps that spin (GOMP_SPINCOUNT) and
+# kvserve.thread_env (applied by the CLI first) caps that spin (GOMP_SPINCOUNT) and
 # OpenBLAS's (OPENBLAS_THREAD_TIMEOUT) before either library loads.
 numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
 numba.config.THREADING_LAYER = "default"

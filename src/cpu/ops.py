@@ -30,7 +30,7 @@ PREFILL_MIN_QUERIES = 16
 #: Dense float32 products of at most this many rows (decode steps, and
 #: speculative verify chunks of up to 11 drafts) use the Numba GEMV kernel
 #: rather than BLAS sgemm: with the OpenMP layer its threads are already
-#: awake, where OpenBLAS's sleep between calls (see kvserve/__init__.py).
+#: awake, where OpenBLAS's sleep between calls (see kvserve.thread_env).
 #: Measured on the 2-core machine, a whole forward pass of the default model
 #: over a 500-token context, with the 1 x 4 tile kernel: 9 rows 37-41 ms
 #: against 73-82 ms with sgemm, 12 rows 40-47 against 83-94 ms, but 16 rows
