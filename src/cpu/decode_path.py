@@ -28,7 +28,6 @@ import weakref
 from typing import Any
 
 import numpy as np
-from numba.typed import List
 
 from kvserve.cpu import decode_layer as dl
 from kvserve.cpu.block_ops import check_weight
@@ -71,9 +70,7 @@ class _Prepared:
               and self.nh % self.nkv == 0)
         self.layers = None
         if ok:
-            self.layers = List()
-            for t in tuples:
-                self.layers.append(t)
+            self.layers = dl.typed_list(tuples)
 
     def _layer(self, layer: Any, cfg: Any) -> tuple | None:
         H, hd = cfg.hidden_size, cfg.head_dim
@@ -130,9 +127,7 @@ class _Prepared:
                       and c.flags.c_contiguous and c.flags.writeable for c in kv_caches))
         typed = None
         if ok:
-            typed = List()
-            for c in kv_caches:
-                typed.append(c)
+            typed = dl.typed_list(list(kv_caches))
         self.caches, self.cache_list = tuple(kv_caches), typed
         return typed
 
@@ -245,11 +240,9 @@ def warmup() -> None:
     ones = np.ones((H, 1), np.float32)
     q4 = (dl.Q4, H, _F32, np.zeros((H, H // 2), np.uint8), _I8, ones, ones)
     q8 = (dl.Q8, H, _F32, _U8, np.ones((H, H), np.int8), ones, _F32)
-    layers = List()
-    layers.append((np.ones(H, np.float32), np.ones(H, np.float32), dense((nh + 2 * nkv) * hd),
-                   _NO_BIAS, q4, dense(2 * H), q8))
-    caches = List()
-    caches.append(np.zeros((2, 2, bs, nkv, hd), np.float32))
+    layers = dl.typed_list([(np.ones(H, np.float32), np.ones(H, np.float32),
+                              dense((nh + 2 * nkv) * hd), _NO_BIAS, q4, dense(2 * H), q8)])
+    caches = dl.typed_list([np.zeros((2, 2, bs, nkv, hd), np.float32)])
     x = np.ones((1, H), np.float32)
     with PARALLEL_REGION:
         dl.decode_layers(0, 1, x, x.copy(), False, layers, caches, np.zeros(1, np.int64),
