@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvserve.cpu import block_dot_kernels as bdk
-from kvserve.cpu.block_ops import check_weight
+from kvserve.cpu.block_ops import check_operands
 from kvserve.cpu.parallel import PARALLEL_REGION, check_array, parallel_chunks
 from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
 
@@ -69,15 +69,8 @@ def linear_blocks_q8(x: np.ndarray, w: BlockQuantizedWeight, bias: np.ndarray | 
         ValueError: naming the argument, for a wrong dtype, shape or layout,
             or ``num_threads`` out of range.
     """
-    check_weight(w)
-    check_array("x", x, np.float32, 2)
-    n, k = w.shape
-    if x.shape[1] != k:
-        raise ValueError(f"x: {x.shape} does not match the weight's K = {k}")
-    if bias is not None:
-        check_array("bias", bias, np.float32, 1)
-        if bias.shape != (n,):
-            raise ValueError(f"bias: shape {bias.shape}, expected ({n},)")
+    check_operands(x, w, bias)
+    n = w.shape[0]
     chunks = parallel_chunks(x.shape, n, num_threads)
     xq, xd, xsum = quantize_activations_q8(x)
     out = np.empty((x.shape[0], n), dtype=np.float32)

@@ -50,6 +50,21 @@ def check_weight(w: BlockQuantizedWeight) -> None:
             raise ValueError(f"{name}: shape {got}, expected {shape} for d {w.d.shape}")
 
 
+def check_operands(x: np.ndarray, w: BlockQuantizedWeight, bias: np.ndarray | None) -> None:
+    """ValueError naming the bad argument of ``x @ W.T (+ bias)``: the weight
+    (``check_weight``), x float32[M, K] C-contiguous with the weight's K,
+    bias float32[N] or None."""
+    check_weight(w)
+    check_array("x", x, np.float32, 2)
+    n, k = w.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x: {x.shape} does not match the weight's K = {k}")
+    if bias is not None:
+        check_array("bias", bias, np.float32, 1)
+        if bias.shape != (n,):
+            raise ValueError(f"bias: shape {bias.shape}, expected ({n},)")
+
+
 def linear_blocks(x: np.ndarray, w: BlockQuantizedWeight, bias: np.ndarray | None = None,
                   num_threads: int | None = None) -> np.ndarray:
     """``x @ W.T (+ bias)`` for a block weight.
@@ -66,15 +81,8 @@ def linear_blocks(x: np.ndarray, w: BlockQuantizedWeight, bias: np.ndarray | Non
     Raises:
         ValueError: naming the argument, for a wrong dtype, shape or layout.
     """
-    check_weight(w)
-    check_array("x", x, np.float32, 2)
-    n, k = w.shape
-    if x.shape[1] != k:
-        raise ValueError(f"x: {x.shape} does not match the weight's K = {k}")
-    if bias is not None:
-        check_array("bias", bias, np.float32, 1)
-        if bias.shape != (n,):
-            raise ValueError(f"bias: shape {bias.shape}, expected ({n},)")
+    check_operands(x, w, bias)
+    n = w.shape[0]
     chunks = parallel_chunks(x.shape, n, num_threads)
     if x.shape[0] <= GEMV_MAX_ROWS:
         out = _gemv(x, w, chunks)
