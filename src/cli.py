@@ -55,11 +55,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights, activations and KV cache: auto = float32 on the CPU, "
                         "float16 on a GPU")
     p.add_argument("--quantization", "-q", default="none",
-                   choices=["none", "int8", "w8a8", "q4"],
+                   choices=["none", "int8", "w8a8", "q4", "w4a8"],
                    help="int8: int8 weights with per-channel scales, float activations; "
                         "w8a8: also int8 activations per token (for both, embeddings, norms "
                         "and the LM head stay float); q4: serve the model's GGUF blocks "
-                        "(Q4_0/Q4_1/Q8_0, LM head included) as shipped (CPU)")
+                        "(Q4_0/Q4_1/Q8_0, LM head included) as shipped; w4a8: q4 with "
+                        "activations quantized to int8 blocks in CPU decode steps "
+                        "(llama.cpp's scheme, fastest on a CPU)")
     p.add_argument("--kv-cache-memory", default="1GiB",
                    help="bytes for KV blocks on the CPU backend, e.g. 512MiB, 1GiB")
     p.add_argument("--gpu-memory-utilization", type=POSITIVE_FLOAT, default=0.9,
@@ -123,6 +125,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="cuda: run decode steps eagerly instead of replaying the CUDA graphs "
                         "captured at start-up per batch size (vLLM's flag)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens do not depend on what else is batched with it "
+                        "(per-row kernels for every product and attention; slower prefill and "
+                        "large batches; CPU, --quantization none or q4; vLLM's "
+                        "VLLM_BATCH_INVARIANT=1)")
     p.add_argument("--stall-timeout", type=POSITIVE_FLOAT, default=60.0, metavar="SECONDS",
                    help="/health answers 503 when requests run or wait and no step finished "
                         "for this long (the role of vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S; "
@@ -139,6 +146,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the ``EngineConfig``; fetches the default model when ``--model`` is absent."""
     from kvserve.model.backend import resolve_backend
 
+    if args.backend == "auto" and (args.batch_invariant or args.quantization == "w4a8"):
+        args.backend = "cpu"  # both are the CPU backend's kernels: no GPU probe
     args.backend = resolve_backend(args.backend)
     if args.backend == "cuda":
         from kvserve.cuda.backend import check_available
@@ -174,6 +183,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             max_bytes=parse_size(args.structured_outputs_max_bytes),
                             timeout=args.structured_outputs_timeout),
                         stall_timeout=args.stall_timeout, enforce_eager=args.enforce_eager,
+                        batch_invariant=args.batch_invariant,
                         fault_injection=getattr(args, "fault_injection", None))
 
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "raw_logits")
 #: Weight schemes (``EngineConfig.quantization``, ``kvserve.model.quantization``).
-QUANTIZATIONS = ("none", "int8", "w8a8", "q4")
+QUANTIZATIONS = ("none", "int8", "w8a8", "q4", "w4a8")
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
           "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
 
@@ -315,8 +315,9 @@ class EngineConfig:
     ``kvserve.cuda.probe``), ``cpu`` or ``cuda``;
     ``dtype`` (vLLM's ``--dtype``): of weights, activations and KV cache,
     ``auto`` = float32 on the CPU, float16 on a GPU. ``quantization``:
-    ``none``, ``int8`` (weight-only), ``w8a8`` or ``q4`` (the GGUF's own
-    blocks; ``kvserve.model.quantization``).
+    ``none``, ``int8`` (weight-only), ``w8a8``, ``q4`` (the GGUF's own
+    blocks) or ``w4a8`` (``q4`` with Q8 activations in CPU decode steps;
+    ``kvserve.model.quantization``).
     """
 
     model: str
@@ -337,6 +338,11 @@ class EngineConfig:
     #: which ``/health`` answers 503 (``kvserve.core.stall``; vLLM's
     #: ``VLLM_ENGINE_ITERATION_TIMEOUT_S`` has the same default).
     stall_timeout: float = 60.0
+    #: A sequence's logits and tokens do not depend on what else is in its
+    #: batch (``--batch-invariant``; vLLM's ``VLLM_BATCH_INVARIANT=1``): the
+    #: CPU backend's per-row kernels for every product and attention
+    #: (``CpuOps(batch_invariant=True)``). CPU, ``none`` or ``q4`` only.
+    batch_invariant: bool = False
     #: Test-only faults (``kvserve.testing.faults.FaultInjection``); None injects none.
     fault_injection: FaultInjection | None = None
 
@@ -350,8 +356,16 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "float16"):
             raise ValueError(f"dtype must be auto, float32 or float16, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError("quantization must be none, int8, w8a8 or q4, got "
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
                              f"{self.quantization!r}")
+        if self.batch_invariant and (self.backend == "cuda"
+                                     or self.quantization not in ("none", "q4")):
+            raise ValueError("--batch-invariant runs the CPU backend's per-row kernels: it needs "
+                             "--backend cpu (or auto) and --quantization none or q4, got "
+                             f"{self.backend} and {self.quantization}")
+        if self.quantization == "w4a8" and self.backend == "cuda":
+            raise ValueError("--quantization w4a8 is a CPU scheme (Q8 activations in the CPU "
+                             "decode kernels); on cuda use q4")
         if self.backend == "cpu" and self.dtype == "float16":
             raise ValueError("the cpu backend runs float32; --dtype float16 needs --backend cuda")
         if self.logprobs_mode not in LOGPROBS_MODES:

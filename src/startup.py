@@ -26,6 +26,7 @@ from kvserve.model.backend import Backend, create_backend
 from kvserve.model.drafter import DraftProposer, load_draft_model
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights
+from kvserve.model.quantization import BLOCK_SCHEMES
 from kvserve.model.runner import ModelRunner, profile_forward
 from kvserve.model.tokenizer import Tokenizer
 
@@ -106,7 +107,7 @@ def _load_model(config: EngineConfig, path: Path, model_config: ModelConfig,
     one is configured; logs ``quantization`` for a quantized model."""
     weights = load_weights(path, model_config, dtype=None)
     float_bytes = sum(array.size for array in weights.values()) * backend.dtype.itemsize
-    if config.quantization == "q4":
+    if config.quantization in BLOCK_SCHEMES:
         weights.update(load_gguf_blocks(path, model_config))
     model = LlamaModel(model_config, weights, backend.ops, config.quantization)
     del weights

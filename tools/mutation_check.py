@@ -52,6 +52,7 @@ CUDA_TESTS = ("tests/cuda/test_cuda_ops_routes.py",) + CONFORMANCE_TESTS
 INT8_TESTS = ("tests/cpu/test_int8.py", "tests/model/test_quantization.py")
 BLOCK_DOT_TESTS = ("tests/cpu/test_block_dot.py",)
 FUSED_DECODE_TESTS = ("tests/cpu/test_decode_layer.py",)
+BATCH_INVARIANCE_TESTS = ("tests/engine/test_batch_invariance.py",)
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/model/test_ggml_blocks.py",),
            "Q4_0 blocks are read with a code offset of 7 instead of 8"),
     Mutant("f32_gemv_channel", "cpu/kernels.py",
-           (("                a3 += xk * w[n3, k]\n", "                a3 += xk * w[n2, k]\n"),),
+           (("        a3 += xk * w[n3, k]\n", "        a3 += xk * w[n2, k]\n"),),
            ("tests/cpu/test_kernels.py",),
            "the float32 GEMV tile computes its fourth channel from the third's weights"),
     Mutant("f32_gemv_second_row", "cpu/kernels.py",
@@ -413,6 +414,28 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("fused_qkv_bias", "cpu/decode_layer.py",
            (("qkv[t, n] += qkv_bias[n]", "qkv[t, n] -= qkv_bias[n]"),),
            FUSED_DECODE_TESTS, "the fused decode subtracts the q/k/v bias"),
+    Mutant("w4a8_float_activations", "cpu/decode_path.py",
+           (("act_q8 = prep.act_q8 and S <= Q8_MAX_ROWS", "act_q8 = False and S <= Q8_MAX_ROWS"),),
+           FUSED_DECODE_TESTS, "w4a8's fused decode keeps float activations"),
+    Mutant("w4a8_q8_operand", "cpu/decode_layer.py",
+           (("q4_1_q8_gemv_range(xq8[0], xq8[1], xq8[2], w[3], w[5], w[6], out, lo, hi)",
+             "q4_1_q8_gemv_range(xq8[0], xq8[1], xq8[1], w[3], w[5], w[6], out, lo, hi)"),),
+           FUSED_DECODE_TESTS, "w4a8's Q4 products take the block scales for the block sums"),
+    Mutant("w4a8_op_path_float", "cpu/ops.py",
+           (('if weight.activations == "q8" and not self.batch_invariant',
+             'if weight.activations == "q9" and not self.batch_invariant'),),
+           FUSED_DECODE_TESTS, "w4a8's op-path products keep float activations"),
+    Mutant("batch_invariant_blas", "cpu/ops.py",
+           (("(x.shape[0] <= DENSE_GEMV_MAX_ROWS or self.batch_invariant)",
+             "(x.shape[0] <= DENSE_GEMV_MAX_ROWS)"),),
+           BATCH_INVARIANCE_TESTS, "--batch-invariant products above 12 rows go to BLAS"),
+    Mutant("batch_invariant_pair_tile", "cpu/ops.py",
+           (("rows = self.batch_invariant", "rows = False"),),
+           BATCH_INVARIANCE_TESTS, "--batch-invariant products take the 2-row tile"),
+    Mutant("batch_invariant_prefill_attention", "cpu/ops.py",
+           (("self.prefill_min_queries = 2**62 if batch_invariant else",
+             "self.prefill_min_queries = PREFILL_MIN_QUERIES if batch_invariant else"),),
+           BATCH_INVARIANCE_TESTS, "--batch-invariant long chunks take the BLAS prefill attention"),
 )
 
 

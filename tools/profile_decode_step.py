@@ -1,7 +1,7 @@
 """Where a CPU decode step of the default model goes: compiled kernels or Python.
 
 Loads the default model (SmolLM2-135M) in-process on the CPU backend, float32
-and ``--quantization q4``, and runs decode-only steps (``--batch`` sequences,
+``--quantization q4`` and ``w4a8``, and runs decode-only steps (``--batch`` sequences,
 one new token each, ``--context`` cached tokens, random K/V) through
 ``LlamaModel.forward`` (layers and LM head), with the fused decode path on
 and off (``KVSERVE_CPU_FUSED_DECODE=0``; ``layer``: one compiled call per layer),
@@ -48,6 +48,7 @@ from kvserve.cpu.decode_path import ENV  # noqa: E402
 from kvserve.cpu.ops import CpuOps  # noqa: E402
 from kvserve.model.default_model import ensure_default_model  # noqa: E402
 from kvserve.model.llama import AttentionMetadata, LlamaModel  # noqa: E402
+from kvserve.model.quantization import BLOCK_SCHEMES  # noqa: E402
 from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights  # noqa: E402
 
 KERNEL_MODULES = (kernels, block_kernels, block_dot_kernels, quant_kernels, int8,
@@ -111,7 +112,7 @@ class CountingOps:
 def load_model(path, quantization: str, ops: CpuOps) -> LlamaModel:
     config = load_model_config(path)
     weights = load_weights(path, config, dtype=None)
-    if quantization == "q4":
+    if quantization in BLOCK_SCHEMES:
         weights.update(load_gguf_blocks(path, config))
     return LlamaModel(config, weights, ops, quantization)
 

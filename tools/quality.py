@@ -6,7 +6,10 @@ one process and one after the other: perplexity of ``--text`` (default: the
 shipped public-domain text, ``tests/data/public_domain_en.txt``) in windows
 of ``--window`` tokens, and teacher-forced greedy agreement with the
 reference's ``--max-tokens`` greedy tokens on ``--prompts`` (a file, one
-prompt per line; default ``kvserve.testing.quality.DEFAULT_PROMPTS``). Prints a
+prompt per line; default ``kvserve.testing.quality.DEFAULT_PROMPTS``), and
+the decode match: how much of those tokens the scheme's own greedy decode
+reproduces before it diverges (the measure that sees ``w4a8``'s Q8
+activations, which only decode steps take). Prints a
 Markdown table last; ``--out`` writes it as JSON. See ``kvserve.testing.quality``
 for the definitions.
 
@@ -25,7 +28,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvserve.testing.quality import DEFAULT_PROMPTS, agreement, greedy_tokens, perplexity, start_engine
+from kvserve.testing.quality import (DEFAULT_PROMPTS, agreement, decode_match, greedy_tokens,
+                                     perplexity, start_engine)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,9 +56,10 @@ async def evaluate(args: argparse.Namespace) -> list[dict]:
                    "seconds": round(ppl.seconds, 2)}
             if reference is None:
                 reference = await greedy_tokens(engine, prompts, args.max_tokens)
-                row["agreement"] = 1.0
+                row["agreement"] = row["decode_match"] = 1.0
             else:
                 row["agreement"] = asdict(await agreement(engine, prompts, reference))["value"]
+                row["decode_match"] = (await decode_match(engine, prompts, reference)).value
             rows.append(row)
             print(f"{scheme}: {row}", file=sys.stderr, flush=True)
         finally:
@@ -80,11 +85,12 @@ def main() -> int:
     base = rows[0]["perplexity"]
     print(f"\nload average: {os.getloadavg()[0]:.2f}; text {Path(args.text).name}, window "
           f"{args.window}; agreement over {args.max_tokens} greedy tokens per prompt\n")
-    print("| scheme | weights MiB | perplexity | vs none | greedy agreement |")
-    print("|---|---:|---:|---:|---:|")
+    print("| scheme | weights MiB | perplexity | vs none | greedy agreement | decode match |")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['scheme']} | {r['weights_bytes'] / 2**20:.1f} | {r['perplexity']:.3f} | "
-              f"{r['perplexity'] / base - 1:+.2%} | {r['agreement']:.3f} |")
+              f"{r['perplexity'] / base - 1:+.2%} | {r['agreement']:.3f} | "
+              f"{r['decode_match']:.3f} |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1))

@@ -37,7 +37,8 @@ class CpuBackend:
         # --num-threads pins the count; by default it follows the machine's load
         adaptive = None if config.num_threads is not None else LoadAdaptiveThreads(
             policy.num_threads, policy.available_cpus)
-        self.ops = CpuOps(num_threads=policy.num_threads, adaptive=adaptive)
+        self.ops = CpuOps(num_threads=policy.num_threads, adaptive=adaptive,
+                          batch_invariant=config.batch_invariant)
 
     def kv_cache_bytes(self, model: ModelConfig, weights_bytes: int, profile: Any = None) -> int:
         """``--kv-cache-memory`` (bytes): host memory is not measured."""

@@ -17,8 +17,10 @@ which read each weight byte once per ``ROW_TILE`` rows; prefill-sized inputs
 belong to ``block_ops`` (sgemm). Products of at least
 ``kvserve.cpu.parallel.PARALLEL_MIN_MACS`` multiply-adds run on Numba's
 threads under ``PARALLEL_REGION``, smaller ones on the caller's thread.
-Not wired into ``CpuOps``: this module is for measurement
-(``tools/bench_block_dot.py``).
+``CpuOps.linear`` takes it for a weight whose ``activations`` is ``q8``
+(``--quantization w4a8``) and at most ``Q8_MAX_ROWS`` rows; the fused decode
+step (``kvserve.cpu.decode_layer``) calls the same kernels.
+``tools/bench_block_dot.py`` measures it against the float kernels.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ from kvserve.cpu import block_dot_kernels as bdk
 from kvserve.cpu.block_ops import check_operands
 from kvserve.cpu.parallel import PARALLEL_REGION, check_array, parallel_chunks
 from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
+
+#: Most rows of a product that takes Q8 activations (``w4a8``); larger ones
+#: (prefill, big decode batches) keep float activations, where the integer
+#: kernels stop paying: at 16 rows they measured 1.1-1.2x the float kernels,
+#: at 32 rows 0.9-1.05x (docs/benchmarks/2026-12-02-block-dot.json).
+Q8_MAX_ROWS = 16
 
 
 def quantize_activations_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

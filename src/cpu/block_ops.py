@@ -66,7 +66,7 @@ def check_operands(x: np.ndarray, w: BlockQuantizedWeight, bias: np.ndarray | No
 
 
 def linear_blocks(x: np.ndarray, w: BlockQuantizedWeight, bias: np.ndarray | None = None,
-                  num_threads: int | None = None) -> np.ndarray:
+                  num_threads: int | None = None, per_row: bool = False) -> np.ndarray:
     """``x @ W.T (+ bias)`` for a block weight.
 
     Args:
@@ -74,6 +74,8 @@ def linear_blocks(x: np.ndarray, w: BlockQuantizedWeight, bias: np.ndarray | Non
         w: ``BlockQuantizedWeight`` ``[N, K]`` of NumPy arrays (``check_weight``).
         bias: float32[N] or None.
         num_threads: Numba threads for this call (None: the current setting).
+        per_row: the decode kernels for any row count, so that a row's result
+            does not depend on the others (``CpuOps(batch_invariant=True)``).
 
     Returns:
         A new float32[M, N].
@@ -84,7 +86,7 @@ def linear_blocks(x: np.ndarray, w: BlockQuantizedWeight, bias: np.ndarray | Non
     check_operands(x, w, bias)
     n = w.shape[0]
     chunks = parallel_chunks(x.shape, n, num_threads)
-    if x.shape[0] <= GEMV_MAX_ROWS:
+    if x.shape[0] <= GEMV_MAX_ROWS or per_row:
         out = _gemv(x, w, chunks)
     else:
         out = _dequantized_matmul(x, w, chunks)

@@ -18,6 +18,14 @@ the same order as there; norms, RoPE and SiLU repeat the op kernels'
 arithmetic. The result equals the op path's, up to what LLVM does
 differently when it inlines the helpers (measured: identical greedy tokens).
 
+With ``act_q8`` (``--quantization w4a8``) each block product's input is
+first quantized to Q8 blocks (``block_dot_kernels.quantize_q8_blocks``, once
+per product, before its parallel region) and the products are the integer
+kernels ``q4_1_q8_gemv_range`` / ``q8_0_q8_gemv_range`` that
+``block_dot_ops.linear_blocks_q8`` runs on the op path. With ``per_row``
+(``--batch-invariant``) dense products take ``f32_gemv_rows_range``, as the
+op path then does, so that a row's sums do not depend on the batch.
+
 Parallelism: each product is one ``prange`` over ``n_chunks`` ranges of
 whole groups of four output channels (the gate/up product's chunk also
 applies SiLU-and-mul to its channels), and RoPE + KV write + attention one
@@ -38,23 +46,57 @@ import numpy as np
 from numba import njit, prange
 from numba.typed import List
 
+from kvserve.cpu.block_dot_kernels import (QK, q4_1_q8_gemv_range, q8_0_q8_gemv_range,
+                                           quantize_q8_blocks)
 from kvserve.cpu.block_kernels import q4_gemv_range, q8_gemv_range
-from kvserve.cpu.kernels import _attend_tile, f32_gemv_range
+from kvserve.cpu.kernels import _attend_tile, f32_gemv_range, f32_gemv_rows_range
 
 #: Weight kinds of the 7-tuples.
 DENSE, Q4, Q8 = 0, 1, 2
 
 
 @njit(nogil=True, cache=True)
-def _gemv_range(x, w, out, lo, hi):
-    """out[:, lo:hi] = x @ W[lo:hi].T for a weight 7-tuple ``w``."""
+def _gemv_range(x, w, out, lo, hi, per_row):
+    """out[:, lo:hi] = x @ W[lo:hi].T for a weight 7-tuple ``w``; ``per_row``:
+    dense weights take ``f32_gemv_rows_range`` (batch-invariant)."""
     kind, _, dense, q4_codes, q8_codes, d, m = w
-    if kind == DENSE:
+    if kind == DENSE and per_row:
+        f32_gemv_rows_range(x, dense, out, lo, hi)
+    elif kind == DENSE:
         f32_gemv_range(x, dense, out, lo, hi)
     elif kind == Q4:
         q4_gemv_range(x, q4_codes, d, m, out, lo, hi)
     else:
         q8_gemv_range(x, q8_codes, d, out, lo, hi)
+
+
+@njit(nogil=True, cache=True)
+def _q8_operand(x, act_q8):
+    """``(xq, xd, xsum)``: float32[S, K] ``x`` in Q8 blocks
+    (``block_dot_kernels.quantize_q8_blocks``) when ``act_q8``, else empty
+    placeholders of the same types."""
+    S, K = x.shape
+    if not act_q8:
+        return (np.empty((0, 0), np.int8), np.empty((0, 0), np.float32),
+                np.empty((0, 0), np.float32))
+    xq = np.empty((S, K), np.int8)
+    xd = np.empty((S, K // QK), np.float32)
+    xsum = np.empty((S, K // QK), np.float32)
+    quantize_q8_blocks(x, xq, xd, xsum)
+    return xq, xd, xsum
+
+
+@njit(nogil=True, cache=True)
+def _product_range(x, xq8, act_q8, per_row, w, out, lo, hi):
+    """out[:, lo:hi] = x @ W[lo:hi].T; with ``act_q8`` a block weight takes
+    the Q8-activation integer kernels on ``xq8 = _q8_operand(x, True)``."""
+    kind = w[0]
+    if act_q8 and kind == Q4:
+        q4_1_q8_gemv_range(xq8[0], xq8[1], xq8[2], w[3], w[5], w[6], out, lo, hi)
+    elif act_q8 and kind == Q8:
+        q8_0_q8_gemv_range(xq8[0], xq8[1], w[4], w[5], out, lo, hi)
+    else:
+        _gemv_range(x, w, out, lo, hi, per_row)
 
 
 @njit(nogil=True, cache=True)
@@ -127,7 +169,7 @@ def _rope_kv_attend(s, kvh, qkv, positions, rope, kv_cache, slots, block_tables,
 
 @njit(nogil=True, cache=True, parallel=True)
 def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, rope, slots,
-                  block_tables, seq_lens, eps, scale, nh, nkv, n_chunks):
+                  block_tables, seq_lens, eps, scale, nh, nkv, n_chunks, act_q8, per_row):
     """Layers [l0, l1) of a decode-only batch of S sequences, in place.
 
     Args:
@@ -143,6 +185,11 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
         seq_lens: int32[S], each sequence's context after this step.
         eps, scale: RMSNorm epsilon and attention scale (float32);
         nh, nkv: query and KV heads; n_chunks: output-channel ranges per product.
+        act_q8: quantize each block weight's input to Q8 blocks and take the
+            integer kernels of ``block_dot_kernels`` (``--quantization
+            w4a8``); dense weights keep float activations.
+        per_row: dense products by ``kernels.f32_gemv_rows_range``, as the
+            op path's when batch-invariant.
 
     Unchecked: the caller (``decode_path``) checks positions, slots, block
     ids and seq_lens against the cache and the tables.
@@ -161,9 +208,10 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
 
         n_qkv = (nh + 2 * nkv) * hd
         qkv = np.empty((S, n_qkv), np.float32)
+        xq8 = _q8_operand(xn, act_q8)
         for c in prange(n_chunks):
             lo, hi = _span(c, n_chunks, n_qkv)
-            _gemv_range(xn, qkv_w, qkv, lo, hi)
+            _product_range(xn, xq8, act_q8, per_row, qkv_w, qkv, lo, hi)
             if qkv_bias.shape[0]:
                 for t in range(S):
                     for n in range(lo, hi):
@@ -176,27 +224,30 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
                             block_tables, seq_lens, scale, nh, nkv, q, att)
 
         att2 = att.reshape(S, nh * hd)
+        xq8 = _q8_operand(att2, act_q8)
         for c in prange(n_chunks):
             lo, hi = _span(c, n_chunks, H)
-            _gemv_range(att2, o_w, x, lo, hi)
+            _product_range(att2, xq8, act_q8, per_row, o_w, x, lo, hi)
 
         _add_rms_norm(x, residual, post_norm, eps, True, xn)
 
         inter = gate_up_w[1] // 2
         gu = np.empty((S, 2 * inter), np.float32)
         act = np.empty((S, inter), np.float32)
+        xq8 = _q8_operand(xn, act_q8)
         for c in prange(n_chunks):
             lo, hi = _span(c, n_chunks, inter)
-            _gemv_range(xn, gate_up_w, gu, lo, hi)
-            _gemv_range(xn, gate_up_w, gu, inter + lo, inter + hi)
+            _product_range(xn, xq8, act_q8, per_row, gate_up_w, gu, lo, hi)
+            _product_range(xn, xq8, act_q8, per_row, gate_up_w, gu, inter + lo, inter + hi)
             for t in range(S):
                 for i in range(lo, hi):
                     a = gu[t, i]
                     act[t, i] = a / (np.float32(1.0) + np.exp(-a)) * gu[t, inter + i]
 
+        xq8 = _q8_operand(act, act_q8)
         for c in prange(n_chunks):
             lo, hi = _span(c, n_chunks, H)
-            _gemv_range(act, down_w, x, lo, hi)
+            _product_range(act, xq8, act_q8, per_row, down_w, x, lo, hi)
 
 
 @njit(cache=True)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvserve.cpu import decode_layer as dl
+from kvserve.cpu.block_dot_ops import Q8_MAX_ROWS
 from kvserve.cpu.block_ops import check_weight
 from kvserve.cpu.parallel import PARALLEL_REGION
 from kvserve.model.ggml_blocks import BlockQuantizedWeight
@@ -63,6 +64,7 @@ class _Prepared:
         self.nh, self.nkv, self.hd = (cfg.num_attention_heads, cfg.num_key_value_heads,
                                       cfg.head_dim)
         self.eps = float(cfg.rms_norm_eps)
+        self.act_q8 = False  # set by _weight: a block weight with Q8 activations
         self.scale = np.float32(model.scale)
         tuples = [self._layer(layer, cfg) for layer in self.layer_objs]
         ok = (all(t is not None for t in tuples) and len(tuples) > 0
@@ -102,6 +104,7 @@ class _Prepared:
             if w.shape != (n, k) or not all(a.flags.writeable for a in (w.qs, w.d)) \
                     or (w.m is not None and not w.m.flags.writeable):
                 return None
+            self.act_q8 |= w.activations == "q8"
             if w.kind == "q4":
                 return (dl.Q4, n, _F32, w.qs, _I8, w.d, w.m)
             return (dl.Q8, n, _F32, _U8, w.qs, w.d, _F32)
@@ -157,7 +160,8 @@ def _int(a: Any, dtype: type) -> np.ndarray:
 
 
 def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
-                  kv_caches: list, num_threads: int) -> tuple[np.ndarray, np.ndarray] | None:
+                  kv_caches: list, num_threads: int,
+                  batch_invariant: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
     """All decoder layers of a decode-only step, fused; None where the op path runs.
 
     Args:
@@ -167,6 +171,10 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
         kv_caches: one cache per layer; written at ``attn.slot_mapping``.
         num_threads: Numba threads (``CpuOps._threads()``, already applied):
             the output-channel ranges of each product.
+        batch_invariant: ``CpuOps.batch_invariant``: the op path's products
+            are per-row kernels at any row count, so float32 weights stay
+            fused up to ``BLOCK_MAX_SEQS`` too (the fused kernel sums each
+            row as they do).
 
     Returns:
         ``(x, residual)`` float32[S, H]: the last layer's MLP output and the
@@ -184,7 +192,8 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
     if qsl.shape != (S + 1,) or not np.array_equal(qsl, np.arange(S + 1)):
         return None
     prep = _prepared(model)
-    if prep is None or S > (DENSE_MAX_SEQS if prep.dense else BLOCK_MAX_SEQS):
+    if prep is None or S > (DENSE_MAX_SEQS if prep.dense and not batch_invariant
+                            else BLOCK_MAX_SEQS):
         return None
     caches = prep.cache_list_for(kv_caches)
     if caches is None:
@@ -195,6 +204,7 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
     sl = _int(sl, np.int32)
     if not _metadata_ok(pos, slots, bt, sl, S, kv_caches[0].shape, prep.rope.shape[0]):
         return None
+    act_q8 = prep.act_q8 and S <= Q8_MAX_ROWS and not batch_invariant
     residual = hidden
     if not _f32(residual, 2):
         residual = np.array(hidden, dtype=np.float32, order="C")
@@ -204,12 +214,12 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
             for i in range(len(prep.layer_objs)):
                 dl.decode_layers(i, i + 1, x, residual, i > 0, prep.layers, caches, pos,
                                  prep.rope, slots, bt, sl, prep.eps, prep.scale, prep.nh,
-                                 prep.nkv, num_threads)
+                                 prep.nkv, num_threads, act_q8, batch_invariant)
     else:
         with PARALLEL_REGION:
             dl.decode_layers(0, len(prep.layer_objs), x, residual, False, prep.layers, caches,
                              pos, prep.rope, slots, bt, sl, prep.eps, prep.scale, prep.nh,
-                             prep.nkv, num_threads)
+                             prep.nkv, num_threads, act_q8, batch_invariant)
     return x, residual
 
 
@@ -248,4 +258,4 @@ def warmup() -> None:
         dl.decode_layers(0, 1, x, x.copy(), False, layers, caches, np.zeros(1, np.int64),
                          np.ones((4, hd), np.float32), np.zeros(1, np.int64),
                          np.zeros((1, 2), np.int32), np.ones(1, np.int32), 1e-5,
-                         np.float32(0.25), nh, nkv, 1)
+                         np.float32(0.25), nh, nkv, 1, True, False)

@@ -218,15 +218,8 @@ def f32_gemv_range(x, w, out, lo, hi):
             _store4(out, m, n0, hi, a0, a1, a2, a3)
             _store4(out, m + 1, n0, hi, b0, b1, b2, b3)
         if M % 2:
-            m = M - 1
-            a0 = a1 = a2 = a3 = np.float32(0.0)
-            for k in range(K):
-                xk = x[m, k]
-                a0 += xk * w[n0, k]
-                a1 += xk * w[n1, k]
-                a2 += xk * w[n2, k]
-                a3 += xk * w[n3, k]
-            _store4(out, m, n0, hi, a0, a1, a2, a3)
+            a0, a1, a2, a3 = _row_dot4(x, M - 1, w, n0, n1, n2, n3)
+            _store4(out, M - 1, n0, hi, a0, a1, a2, a3)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -241,15 +234,56 @@ def _store4(out, m, n0, hi, a0, a1, a2, a3):
         out[m, n0 + 3] = a3
 
 
+@njit(nogil=True, cache=True)
+def _panel_span(c, n_chunks, n):
+    """Channels [lo, hi) of chunk c of n_chunks: whole groups of four, spread evenly."""
+    groups = (n + 3) // 4
+    return c * groups // n_chunks * 4, min((c + 1) * groups // n_chunks * 4, n)
+
+
+@njit(nogil=True, cache=True, fastmath=_ATTN_FASTMATH, inline="always")
+def _row_dot4(x, m, w, n0, n1, n2, n3):
+    """x[m] . w[n] for n in (n0, n1, n2, n3): four float32 reductions over K
+    sharing each x load (the 1 x 4 tile)."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for k in range(x.shape[1]):
+        xk = x[m, k]
+        a0 += xk * w[n0, k]
+        a1 += xk * w[n1, k]
+        a2 += xk * w[n2, k]
+        a3 += xk * w[n3, k]
+    return a0, a1, a2, a3
+
+
+@njit(nogil=True, cache=True, fastmath=_ATTN_FASTMATH)
+def f32_gemv_rows_range(x, w, out, lo, hi):
+    """:func:`f32_gemv_range`'s result, each row by the same code: a 1 x 4
+    tile per row (four reductions over K sharing each x load), so that a
+    row's sums do not depend on the row count or the row's place in ``x``
+    (the 2 x 4 tile is compiled differently from the last odd row's 1 x 4
+    tile, and they round differently). ``CpuOps(batch_invariant=True)``.
+
+    x: float32[M, K]; w: float32[N, K]; out: float32[M, N].
+    """
+    M, K = x.shape
+    last = w.shape[0] - 1
+    for n0 in range(lo, hi, 4):
+        n1, n2, n3 = min(n0 + 1, last), min(n0 + 2, last), min(n0 + 3, last)
+        for m in range(M):
+            a0, a1, a2, a3 = _row_dot4(x, m, w, n0, n1, n2, n3)
+            _store4(out, m, n0, hi, a0, a1, a2, a3)
+
+
 @njit(nogil=True, cache=True, parallel=True)
-def f32_gemv_parallel(x, w, out, n_chunks):
-    """:func:`f32_gemv_range` over all channels in ``n_chunks`` parallel
-    ranges of whole groups of four."""
-    groups = (w.shape[0] + 3) // 4
+def f32_gemv_parallel(x, w, out, n_chunks, per_row):
+    """:func:`f32_gemv_range` (``per_row``: :func:`f32_gemv_rows_range`) over
+    all channels in ``n_chunks`` parallel ranges of whole groups of four."""
     for c in prange(n_chunks):
-        lo = c * groups // n_chunks * 4
-        hi = min((c + 1) * groups // n_chunks * 4, w.shape[0])
-        f32_gemv_range(x, w, out, lo, hi)
+        lo, hi = _panel_span(c, n_chunks, w.shape[0])
+        if per_row:
+            f32_gemv_rows_range(x, w, out, lo, hi)
+        else:
+            f32_gemv_range(x, w, out, lo, hi)
 
 
 # --------------------------------------------------------------------------- #

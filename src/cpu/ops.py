@@ -15,7 +15,7 @@ import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from kvserve.cpu import block_ops, decode_path, int8, kernels, quant_ops
+from kvserve.cpu import block_dot_ops, block_ops, decode_path, int8, kernels, quant_ops
 from kvserve.cpu.parallel import PARALLEL_REGION, parallel_chunks
 from kvserve.cpu.prefill_attention import prefill_attention
 from kvserve.model.ops import build_rope_cache, compose_rope_kv_attention
@@ -128,6 +128,16 @@ class CpuOps:
             chunks) the Numba paged-attention kernel.
         adaptive: a ``kvserve.cpu.threads.LoadAdaptiveThreads`` that sets
             both pools' threads from the machine's load (None: fixed).
+        batch_invariant: a row's result never depends on the other rows of
+            the call (``--batch-invariant``, vLLM's batch-invariant mode):
+            every product of float32 or GGUF-block weights takes the per-row
+            kernels (``kernels.f32_gemv_*``, ``block_kernels.q4/q8_gemv_*``:
+            each output one sequential float32 sum over the input channels,
+            whatever the row count) instead of BLAS / dequantize + sgemm
+            above a few rows, and attention always the Numba kernel (each
+            query row its own online softmax over the keys in order) instead
+            of the BLAS prefill path. Slower prefill and large batches; int8
+            and w8a8 weights are refused (their kernels group rows).
 
     Raises ValueError for ``tile_q`` < 1 or ``num_threads`` outside
     [1, NUMBA_NUM_THREADS].
@@ -140,11 +150,14 @@ class CpuOps:
     name = "cpu"
 
     def __init__(self, tile_q: int = kernels.DEFAULT_TILE_Q, num_threads: int | None = None,
-                 prefill_min_queries: int = PREFILL_MIN_QUERIES, adaptive=None) -> None:
+                 prefill_min_queries: int = PREFILL_MIN_QUERIES, adaptive=None,
+                 batch_invariant: bool = False) -> None:
         if tile_q < 1 or prefill_min_queries < 1:
             raise ValueError(f"tile_q and prefill_min_queries must be >= 1, got {tile_q} "
                              f"and {prefill_min_queries}")
-        self.prefill_min_queries = int(prefill_min_queries)
+        self.batch_invariant = bool(batch_invariant)
+        # batch-invariant: no query count takes the BLAS prefill path
+        self.prefill_min_queries = 2**62 if batch_invariant else int(prefill_min_queries)
         if num_threads is not None and not 1 <= num_threads <= numba.config.NUMBA_NUM_THREADS:
             raise ValueError(f"num_threads must be in [1, {numba.config.NUMBA_NUM_THREADS}], "
                              f"got {num_threads}")
@@ -197,16 +210,24 @@ class CpuOps:
         ValueError on shape mismatch.
         """
         if isinstance(weight, QuantizedWeight):
+            if self.batch_invariant:
+                raise ValueError(f"linear: {weight.scheme} weights have no batch-invariant "
+                                 "kernels (--batch-invariant serves none or q4)")
             return self._linear_quantized(np.ascontiguousarray(x, dtype=_F32), weight, bias)
         if isinstance(weight, BlockQuantizedWeight):
+            if weight.activations == "q8" and not self.batch_invariant \
+                    and len(x) <= block_dot_ops.Q8_MAX_ROWS:
+                return block_dot_ops.linear_blocks_q8(np.ascontiguousarray(x, dtype=_F32),
+                                                      weight, bias, num_threads=self._threads())
             return block_ops.linear_blocks(np.ascontiguousarray(x, dtype=_F32), weight, bias,
-                                           num_threads=self._threads())
+                                           num_threads=self._threads(),
+                                           per_row=self.batch_invariant)
         x = np.asarray(x, dtype=_F32)
         if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
             raise ValueError(f"linear: x {x.shape} and weight {weight.shape} do not match "
                              "(expected x [T, in], weight [out, in])")
-        if x.shape[0] <= DENSE_GEMV_MAX_ROWS and weight.dtype == _F32 \
-                and weight.flags.c_contiguous:
+        if (x.shape[0] <= DENSE_GEMV_MAX_ROWS or self.batch_invariant) \
+                and weight.dtype == _F32 and weight.flags.c_contiguous:
             y = self._gemv(np.ascontiguousarray(x), weight)
         else:
             y = x @ weight.T
@@ -219,14 +240,17 @@ class CpuOps:
         return y
 
     def _gemv(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        """``x @ weight.T`` by ``kernels.f32_gemv_*``: float32[M, K] x, float32[N, K] weight."""
+        """``x @ weight.T`` by ``kernels.f32_gemv_*`` (``f32_gemv_rows_*`` when
+        batch-invariant): float32[M, K] x, float32[N, K] weight."""
         out = np.empty((x.shape[0], weight.shape[0]), dtype=_F32)
         chunks = parallel_chunks(x.shape, weight.shape[0], self._threads())
+        rows = self.batch_invariant
         if chunks:
             with PARALLEL_REGION:
-                kernels.f32_gemv_parallel(x, weight, out, chunks)
+                kernels.f32_gemv_parallel(x, weight, out, chunks, rows)
         else:
-            kernels.f32_gemv_range(x, weight, out, 0, weight.shape[0])
+            (kernels.f32_gemv_rows_range if rows else kernels.f32_gemv_range)(
+                x, weight, out, 0, weight.shape[0])
         return out
 
     def _linear_quantized(self, x: np.ndarray, weight: QuantizedWeight,
@@ -314,7 +338,7 @@ class CpuOps:
         """A decode-only step's layers in one compiled call (``kvserve.cpu.decode_path``):
         ``(x, residual)`` before the final norm, or None where the op path runs."""
         return decode_path.decode_layers(hidden, model, positions, attn, kv_caches,
-                                         self._threads())
+                                         self._threads(), self.batch_invariant)
 
     # ------------------------------------------------------------------ #
     # paged KV cache

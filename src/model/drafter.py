@@ -51,6 +51,7 @@ from kvserve.model.input_batch import InputBatch
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights
 from kvserve.model.ops import Ops
+from kvserve.model.quantization import BLOCK_SCHEMES
 from kvserve.model.sampler import SamplingState, _warpers
 from kvserve.model.spec_verify import draw_from
 from kvserve.model.tokenizer import Tokenizer
@@ -87,7 +88,7 @@ def load_draft_model(spec: SpeculativeConfig, target: ModelConfig, target_tokeni
                          f"(vocab sizes {config.vocab_size} and {target.vocab_size}); "
                          "speculation needs the same token ids")
     weights = load_weights(path, config, dtype=None)
-    if spec.quantization == "q4":
+    if spec.quantization in BLOCK_SCHEMES:
         weights.update(load_gguf_blocks(path, config))
     return LlamaModel(config, weights, ops, spec.quantization)
 

@@ -48,6 +48,10 @@ class BlockQuantizedWeight:
     ``kind`` ``q8``: ``qs`` int8[N, K], ``d`` float32[N, K / 32], ``m`` None;
     ``W[n, 32 b + i] = d[n, b] * qs[n, 32 b + i]``. ``ggml_type``: the GGUF
     type it came from (``Q4_0``, ``Q4_1``, ``Q8_0``), for logs.
+    ``activations``: how the CPU backend multiplies it: ``float`` (dequantized
+    weights times float32 activations; ``--quantization q4``) or ``q8``
+    (``w4a8``: the activations of small products quantized to Q8 blocks,
+    ``kvserve.cpu.block_dot_ops``).
     """
 
     kind: str
@@ -55,6 +59,7 @@ class BlockQuantizedWeight:
     d: Any
     m: Any
     ggml_type: str
+    activations: str = "float"
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -70,7 +75,8 @@ class BlockQuantizedWeight:
         """The same weight with ``fn`` applied to each array (``m`` None stays None):
         a row permutation, a row slice, a transfer to a backend."""
         return BlockQuantizedWeight(self.kind, fn(self.qs), fn(self.d),
-                                    None if self.m is None else fn(self.m), self.ggml_type)
+                                    None if self.m is None else fn(self.m), self.ggml_type,
+                                    self.activations)
 
 
 def from_gguf_bytes(raw: np.ndarray, ggml_type: str, shape: tuple[int, int]) -> BlockQuantizedWeight:

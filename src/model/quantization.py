@@ -23,6 +23,13 @@
   Activations stay float32. Not a load-time quantization: the checkpoint
   folder must hold the ``.gguf`` it was converted from
   (``kvserve.model.loader.find_gguf``).
+- ``w4a8``: ``q4``'s weights, and in products of at most
+  ``kvserve.cpu.block_dot_ops.Q8_MAX_ROWS`` rows (decode steps) the
+  activations quantized per block of 32 channels to int8 with a float32
+  scale before integer block products (llama.cpp's CPU scheme: Q8_0 / Q8_1
+  activations, ``kvserve.cpu.block_dot_kernels``), the LM head included
+  (its weight's ``activations`` is ``q8``). Prefill and larger decode
+  batches keep ``q4``'s float activations. CPU only.
 
 What stays float for ``int8`` and ``w8a8``: embeddings, norms, biases, and
 the LM head. The LM head
@@ -36,14 +43,16 @@ the model ships as: quantized by its publisher, and measured by the same gate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from kvserve.model.ggml_blocks import BlockQuantizedWeight
 
-QUANTIZATIONS = ("none", "int8", "w8a8", "q4")
+QUANTIZATIONS = ("none", "int8", "w8a8", "q4", "w4a8")
+#: Schemes that serve the checkpoint's GGUF blocks (``load_gguf_blocks``).
+BLOCK_SCHEMES = ("q4", "w4a8")
 #: Largest magnitude of a symmetric int8 code.
 INT8_MAX = 127
 
@@ -109,8 +118,9 @@ def quantize_weight(w: np.ndarray | BlockQuantizedWeight, scheme: str, to_device
     tensor the GGUF stores in float, keep it dense. Raises ``ValueError``
     for an unknown scheme."""
     if isinstance(w, BlockQuantizedWeight):
-        return w.map(lambda a: _to_device_exact(a, to_device))
-    if scheme in ("none", "q4"):
+        moved = w.map(lambda a: _to_device_exact(a, to_device))
+        return replace(moved, activations="q8") if scheme == "w4a8" else moved
+    if scheme in ("none", *BLOCK_SCHEMES):
         return to_device(w)
     if scheme not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {scheme!r}")

@@ -15,6 +15,11 @@ so they see exactly the weights, kernels and sampler a server would use.
   and agreement is the fraction of the generated positions where its top-1
   token equals the reference's. Divergences do not cascade, so the number
   measures per-token agreement, not the length of a common prefix.
+- **Decode match**: the candidate generates its own ``max_tokens`` greedy
+  tokens per prompt (decode steps, which may take other kernels than the
+  prompt pass: ``--quantization w4a8`` quantizes activations only there),
+  and the match is the fraction of the reference's tokens that the
+  candidate reproduces before its first divergence.
 """
 
 from __future__ import annotations
@@ -133,6 +138,22 @@ async def agreement(candidate: AsyncEngine, prompts: Sequence[Sequence[int]],
         hits = sum(entry[1][0][0] == token for entry, token in zip(entries, ref))
         per_prompt.append(hits / len(ref))
         matched, total = matched + hits, total + len(ref)
+    return Agreement(matched / total, total, len(prompts), tuple(per_prompt))
+
+
+async def decode_match(candidate: AsyncEngine, prompts: Sequence[Sequence[int]],
+                       reference_tokens: Sequence[Sequence[int]]) -> Agreement:
+    """The fraction of each prompt's reference greedy tokens that the
+    candidate's own greedy generation reproduces before its first
+    divergence (see the module docstring)."""
+    max_tokens = max(len(r) for r in reference_tokens)
+    generated = await greedy_tokens(candidate, prompts, max_tokens)
+    per_prompt, matched, total = [], 0, 0
+    for ref, got in zip(reference_tokens, generated):
+        common = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b),
+                      min(len(ref), len(got)))
+        per_prompt.append(common / len(ref))
+        matched, total = matched + common, total + len(ref)
     return Agreement(matched / total, total, len(prompts), tuple(per_prompt))
 
 

@@ -81,6 +81,10 @@ def _step(model, caches, tables, chunks):
 @pytest.fixture(scope="module")
 def prefilled(model):
     """Caches and block tables after prefilling three sequences (op path)."""
+    return _prefill(model)
+
+
+def _prefill(model):
     cfg = model.config
     rng = np.random.default_rng(7)
     blocks_per_seq = 8
@@ -156,3 +160,38 @@ def test_warmup_compiles_the_steps_signature(model, prefilled, monkeypatch):
     compiled = set(kernel.signatures)
     decode_path.warmup()
     assert set(kernel.signatures) == compiled
+
+
+@pytest.fixture(scope="module", params=SPECS, ids=[s.name for s in SPECS])
+def w4a8_models(request, tmp_path_factory):
+    """The block form served as ``--quantization w4a8`` (Q8 activations) and
+    as ``q4`` (float activations)."""
+    config, weights = load_tiny(tmp_path_factory.mktemp(request.param.name), request.param)
+    blocks = _blocks(weights)
+    return (LlamaModel(config, blocks, CpuOps(num_threads=2), "w4a8"),
+            LlamaModel(config, blocks, CpuOps(num_threads=2), "q4"))
+
+
+@pytest.mark.parametrize("seqs", [(1,), (0, 1, 2)], ids=["batch1", "batch3"])
+def test_w4a8_fused_decode_matches_q8_op_path(w4a8_models, seqs, monkeypatch):
+    """w4a8's fused step takes every block product with Q8 activations: it
+    matches w4a8's op path, whose products of at most ``Q8_MAX_ROWS`` rows
+    are ``block_dot_ops.linear_blocks_q8`` (checked against a NumPy
+    reference in test_block_dot.py), and differs from q4's (float
+    activations) by about the activation codes' error."""
+    w4a8, q4 = w4a8_models
+    float_logits, _, _ = _decode_twice(q4, _prefill(q4), seqs, monkeypatch, None)
+    monkeypatch.undo()
+    prefilled = _prefill(w4a8)
+    ref_logits, ref_caches, ref_calls = _decode_twice(w4a8, prefilled, seqs, monkeypatch, "0")
+    monkeypatch.undo()
+    logits, caches, calls = _decode_twice(w4a8, prefilled, seqs, monkeypatch, None)
+    assert not ref_calls and len(calls) == 2
+    for got, ref, flt in zip(logits, ref_logits, float_logits):
+        scale = np.abs(ref).max()
+        assert np.abs(got - ref).max() <= TOL * scale
+        # Q8 activations move the logits by far more than the kernels' rounding:
+        # the test would not notice a step that kept float activations.
+        assert np.abs(got - flt).max() > 100 * TOL * scale
+    for got, ref in zip(caches, ref_caches):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
