@@ -5,7 +5,7 @@ Not in ``make test`` (marker ``clients``): aiperf brings ~150 packages, so it
 lives in a venv of its own, ``.venv-clients`` (``make bench-clients``), and
 ``make test-clients`` runs this. Without that venv the test fails and says
 how to make it. aiperf finds the tokenizer because the server is started
-with ``--served-model-name`` = the checkpoint folder (the README's recipe).
+with ``--served-model-name`` = the checkpoint folder (the recipe in docs/benchmarks/README.md).
 Offline: this machine reaches no model hub. ``HF_HUB_OFFLINE`` is left unset
 because aiperf 0.13 then looks a tokenizer up only among cached hub
 snapshots, never in a local folder.

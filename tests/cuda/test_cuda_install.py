@@ -1,8 +1,9 @@
-"""The CUDA extras and the README's install lines agree with ``pyproject.toml``
-(issue 26, item 1): ``cuda12``/``cuda13`` bring numba-cuda with NVVM and CuPy
-with cuBLAS/NVRTC, ``cuda`` is ``cuda12``, and the README's command for an
-image that already has CuPy and numba-cuda lists every serving dependency
-but NumPy and Numba (which that image has)."""
+"""The CUDA extras and the install lines of docs/gpu.md agree with
+``pyproject.toml`` (issue 26, item 1; the lines moved out of the README in
+issue 29): ``cuda12``/``cuda13`` bring numba-cuda with NVVM and CuPy with
+cuBLAS/NVRTC, ``cuda`` is ``cuda12``, and the command for an image that
+already has CuPy and numba-cuda lists every serving dependency but NumPy and
+Numba (which that image has)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ def test_the_cuda_extras_bring_nvvm_and_the_cupy_toolkit_wheels():
         assert names == [f"cupy-cuda{major}x[ctk]", f"numba-cuda[cu{major}]"]
 
 
-def test_the_readme_installs_what_an_image_with_cupy_lacks():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("### Installing for a GPU"):text.index("\n## ", text.index(
-        "### Installing for a GPU"))]
+def test_the_gpu_page_installs_what_an_image_with_cupy_lacks():
+    text = (ROOT / "docs" / "gpu.md").read_text(encoding="utf-8")
+    start = text.index("## Installing for a GPU")
+    section = text[start:text.index("\n## ", start + 1)]
     assert "pip install --no-deps -e ." in section
     [line] = [s for s in section.splitlines() if s.startswith("pip install 'safetensors")]
     listed = shlex.split(line)[2:]
