@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvserve.model.generation_config import GenerationDefaults
     from kvserve.testing.faults import FaultInjection
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -260,6 +261,9 @@ class ServerConfig:
     end (408 after); ``max_connections`` open connections (more get 503);
     ``max_header_bytes`` of request header lines (more get 431; nginx and
     h11 default to 8 and 16 KiB).
+    ``generation_defaults``: the sampling fields a request that omits them
+    gets (``kvserve.model.generation_config``: the checkpoint's
+    ``generation_config.json`` under ``--generation-config``); None: none.
     """
 
     host: str = "127.0.0.1"
@@ -273,6 +277,7 @@ class ServerConfig:
     timeout_request_body: float = 30.0
     max_connections: int = 2048
     max_header_bytes: int = 16 * 1024
+    generation_defaults: GenerationDefaults | None = None
 
 
 @dataclass(frozen=True)
@@ -343,6 +348,12 @@ class EngineConfig:
     #: CPU backend's per-row kernels for every product and attention
     #: (``CpuOps(batch_invariant=True)``). CPU, ``none`` or ``q4`` only.
     batch_invariant: bool = False
+    #: Where the default sampling fields of requests that omit them come
+    #: from (vLLM's ``--generation-config``): ``auto`` (the model folder's
+    #: ``generation_config.json``, if any), ``vllm`` (none: temperature 1,
+    #: top_p 1) or a folder holding that file, whose ``max_new_tokens`` then
+    #: also caps every request (``kvserve.model.generation_config``).
+    generation_config: str = "auto"
     #: Test-only faults (``kvserve.testing.faults.FaultInjection``); None injects none.
     fault_injection: FaultInjection | None = None
 
@@ -368,6 +379,9 @@ class EngineConfig:
                              "decode kernels); on cuda use q4")
         if self.backend == "cpu" and self.dtype == "float16":
             raise ValueError("the cpu backend runs float32; --dtype float16 needs --backend cuda")
+        if not isinstance(self.generation_config, str) or not self.generation_config.strip():
+            raise ValueError("generation_config must be auto, vllm or a folder holding "
+                             f"generation_config.json, got {self.generation_config!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}")
         spec = self.scheduler.speculative

@@ -21,7 +21,8 @@ from kvserve.core.scheduler import Scheduler
 from kvserve.distributed.kv_connector import (KVConnector, KVLayout, build_kv_connector,
                                               log_offload_tier)
 from kvserve.constraints.masks import StructuredOutputs
-from kvserve.core.plan import KVCachePlan, cap_to_cache, plan_kv_cache, resolve_max_model_len
+from kvserve.core.plan import (KVCachePlan, cap_to_cache, count_parameters, plan_kv_cache,
+                               resolve_max_model_len)
 from kvserve.model.backend import Backend, create_backend
 from kvserve.model.drafter import DraftProposer, load_draft_model
 from kvserve.model.llama import LlamaModel
@@ -29,8 +30,12 @@ from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weigh
 from kvserve.model.quantization import BLOCK_SCHEMES
 from kvserve.model.runner import ModelRunner, profile_forward
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.observability.log import LoadProgress
 
 log = structlog.get_logger("kvserve.engine")
+
+#: Bytes per element of the CPU backend's weights, activations and KV cache (float32).
+CPU_DTYPE_BYTES = 4
 
 
 @dataclass
@@ -65,19 +70,78 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     backend (``create_backend``), ``_load_model`` (weights, model, draft),
     ``_size_kv_cache`` (profile and plan), ``_build_runner`` (structured
     outputs, KV connector), ``_warm_up`` (kernels, CUDA graphs),
-    ``_build_scheduler``, ``_log_ready`` (the start-up lines).
+    ``_build_scheduler``, ``_log_ready`` (the start-up lines). Each step
+    but the last two logs ``startup_step`` with its seconds when it ends,
+    and ``startup_progress`` while it runs, whenever it has been silent for
+    ``PROGRESS_INTERVAL`` seconds (``LoadProgress``).
     """
     t0 = time.monotonic()
-    path, model_config, tokenizer = _load_checkpoint(config)
-    backend = create_backend(config)
-    loaded = _load_model(config, path, model_config, tokenizer, backend)
-    plan = _size_kv_cache(config, model_config, backend, loaded)
-    runner, layout = _build_runner(config, path, model_config, backend, loaded, plan)
-    _warm_up(config, backend, loaded.model, runner, plan.max_model_len)
+    with LoadProgress(log) as progress:
+        with progress.step("checkpoint", "reading the config and tokenizer"):
+            path, model_config, tokenizer = _load_checkpoint(config)
+        with progress.step("backend", f"starting the {config.backend} backend"):
+            backend = create_backend(config)
+        with progress.step("weights", "loading the weights"):
+            loaded = _load_model(config, path, model_config, tokenizer, backend)
+        with progress.step("kv_cache", "profiling a step and sizing the KV cache"):
+            plan = _size_kv_cache(config, model_config, backend, loaded)
+        with progress.step("runner", "building the model runner"):
+            runner, layout = _build_runner(config, path, model_config, backend, loaded, plan)
+        with progress.step("warm_up", "warming up (compiling the kernels)"):
+            _warm_up(config, backend, loaded.model, runner, plan.max_model_len)
     scheduler = _build_scheduler(config, plan, layout, runner.kv_connector)
     _log_ready(config, path, backend, plan, loaded.weights_bytes, time.monotonic() - t0)
     return EngineCore(config, model_config, tokenizer, backend, runner, scheduler, plan,
                       plan.max_model_len, layout)
+
+
+def check_before_load(config: EngineConfig, max_model_len: int | None = None) -> None:
+    """Judge, before any weight loads, what ``kvserve plan`` judges from
+    ``config.json`` and the safetensors headers alone, so that a mistake
+    costs seconds, not a load.
+
+    ``max_model_len``: the context length the user asked for (None: the
+    model's). Checks that the checkpoint's ``config.json`` describes a model
+    kvserve runs and its safetensors headers are readable; that
+    ``max_model_len`` is at most the model's ``max_position_embeddings``
+    (vLLM refuses a longer one too); and on the CPU backend, whose KV memory
+    is ``--kv-cache-memory``, that it holds a KV block and, when
+    ``max_model_len`` is given, one request of that length (a draft model's
+    K/V included). On CUDA the KV memory is known only after the weights
+    load and a step is profiled (``_size_kv_cache``).
+
+    Raises:
+        ValueError: a setting the checkpoint or the memory cannot serve, as
+            one line with the numbers.
+        FileNotFoundError: no ``config.json`` or ``*.safetensors`` file.
+    """
+    path = Path(config.model)
+    model = load_model_config(path)
+    count_parameters(path, model)  # every safetensors header parses
+    context = model.max_position_embeddings
+    if max_model_len is not None and max_model_len > context:
+        raise ValueError(f"--max-model-len {max_model_len} is larger than the model's context "
+                         f"length, {context} tokens (max_position_embeddings in "
+                         f"{path / 'config.json'}); give at most {context}")
+    if config.backend != "cpu":
+        return
+    spec = config.scheduler.speculative
+    draft = (load_model_config(Path(spec.model))
+             if spec is not None and spec.uses_draft_model else None)
+    requested = max_model_len or context
+    plan = plan_kv_cache(model, config.cache, requested, CPU_DTYPE_BYTES, draft)
+    if max_model_len is not None and plan.num_tokens < max_model_len:
+        raise ValueError(
+            f"--max-model-len {max_model_len} needs {max_model_len * plan.bytes_per_token:,} "
+            f"bytes of KV cache for one request ({plan.bytes_per_token:,} bytes per token), more "
+            f"than --kv-cache-memory {config.cache.kv_cache_memory:,} bytes holds "
+            f"({plan.num_tokens:,} tokens); give --max-model-len {plan.num_tokens} or less, or "
+            f"--kv-cache-memory {_mib_up(max_model_len * plan.bytes_per_token)} or more")
+
+
+def _mib_up(nbytes: int) -> str:
+    """``nbytes`` as whole MiB, rounded up, e.g. ``'352MiB'``."""
+    return f"{-(-nbytes // 2**20)}MiB"
 
 
 class _LoadedModel(NamedTuple):
@@ -137,7 +201,9 @@ def _size_kv_cache(config: EngineConfig, model_config: ModelConfig, backend: Bac
     if plan.max_model_len < requested:
         log.warning("max_model_len_capped", max_model_len=plan.max_model_len,
                     requested=requested,
-                    reason="KV cache holds fewer tokens than the context length")
+                    reason="KV cache holds fewer tokens than the context length",
+                    message=f"max_model_len lowered from {requested:,} to "
+                            f"{plan.max_model_len:,} tokens: the KV cache holds no more")
     return plan
 
 

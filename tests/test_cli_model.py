@@ -47,14 +47,18 @@ def test_a_folder_holding_only_a_gguf_is_refused_the_same_way(tmp_path: Path) ->
 
 def test_a_missing_folder_is_one_line(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
-    assert serve_errors(str(missing)) == [f"kvserve: error: --model {missing}: no such folder"]
+    assert serve_errors(str(missing)) == [
+        f"kvserve: error: --model {missing}: no such folder; {ACCEPTS} of a llama, mistral or "
+        "qwen2 model, or leave --model out for the default model (SmolLM2-135M-Instruct)"]
 
 
 def test_a_hub_model_id_is_not_fetched(tmp_path: Path) -> None:
     errors = serve_errors("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert errors == ["kvserve: error: --model HuggingFaceTB/SmolLM2-135M-Instruct: no such "
-                      "folder; model ids from a hub are not fetched: pass a local folder "
-                      "(config.json, *.safetensors, tokenizer.json)"]
+                      "folder; kvserve serves local folders and does not fetch model ids from a "
+                      "hub: download the checkpoint (config.json, *.safetensors, tokenizer.json) "
+                      "and pass its folder, or leave --model out to serve the default model "
+                      "(SmolLM2-135M-Instruct) (`kvserve fetch-model` fetches it)"]
 
 
 @pytest.mark.parametrize("present, missing", [

@@ -11,6 +11,9 @@ Same as ``kvserve analyze``; the code is ``kvserve.observability.analysis`` (rul
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import sys
 
 from kvserve.observability.analysis import main

@@ -25,6 +25,9 @@ adds both tables to the JSON. No engine or model file is changed.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import argparse
 import json
 import os

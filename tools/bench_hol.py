@@ -34,6 +34,9 @@ the slots, as a busy production server would) and ``--max-num-batched-tokens``
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import argparse
 import asyncio
 import json

@@ -15,6 +15,9 @@ The first-call time is the compile time only on a cold cache
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import argparse
 import statistics
 import time

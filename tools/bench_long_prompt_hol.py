@@ -14,6 +14,9 @@ the long prompt's own TTFT (what the cap costs it). Prompts are token ids
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import argparse
 import asyncio
 import os

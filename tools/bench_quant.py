@@ -18,6 +18,9 @@ machine, compare runs taken at similar loads only.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import argparse
 import os
 import platform

@@ -17,6 +17,9 @@ the drain as releases of 64 requests per capacity report.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import argparse
 import importlib.util
 import os

@@ -12,28 +12,20 @@ in for other work sharing the cores; the load average is printed with each row.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
+from kvserve.bench.competing_load import busy_processes
+
 HERE = Path(__file__).resolve().parent
-
-
-@contextmanager
-def busy_processes(count: int):
-    """``count`` processes spinning on the CPU until the block ends."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
 
 
 def run_cell(threads: str, args: argparse.Namespace) -> dict:

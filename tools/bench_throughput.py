@@ -16,6 +16,9 @@ not help) and ``ignore_eos`` makes every request produce exactly
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import argparse
 import asyncio
 import json

@@ -48,6 +48,9 @@ logs go next to it.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import argparse
 import asyncio
 import json
@@ -57,11 +60,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
 from kvserve.bench import replay
 from kvserve.bench.calibration import calibrate
+from kvserve.bench.competing_load import busy_processes
 from kvserve.bench.server import ServerProcess, exit_on_sigterm
 from kvserve.bench.trace import TraceRequest
 from kvserve.model.default_model import WHEEL_MEMBER, _fetch_gguf, cache_dir
@@ -443,6 +448,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: one request per client (at least 2), 32 output tokens")
     p.add_argument("--skip-llamacpp", action="store_true", help="kvserve alone, columns blank")
+    p.add_argument("--busy-procs", type=int, default=0,
+                   help="processes spinning on the CPU for the whole run: a competing load "
+                        "(the thread policy's test: at most one change a minute)")
     p.add_argument("--server-args", default="", help="extra 'kvserve serve' flags, one string")
     p.add_argument("--kvserve-command", default=None,
                    help="command that starts kvserve's server, with '{port}' and flags of "
@@ -466,9 +474,15 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"config": vars(args), "out": str(out), "kvserve_git": replay.git_info(),
                     "machine": replay.machine_info(), "loadavg_before": _loadavg(),
                     "calibration": calibrate()}
-    if not args.skip_llamacpp:  # first: the build, if needed, fails early
-        result["llamacpp"] = measure_llamacpp(args, out.parent)
-    result["kvserve"] = measure_kvserve(args, out.parent)
+    with busy_processes(args.busy_procs):
+        started = time.monotonic()
+        if not args.skip_llamacpp:  # first: the build, if needed, fails early
+            result["llamacpp"] = measure_llamacpp(args, out.parent)
+        kv_started = time.monotonic()
+        result["kvserve"] = measure_kvserve(args, out.parent)
+        result["kvserve"]["minutes"] = round((time.monotonic() - kv_started) / 60, 2)
+        result["busy_procs"] = {"count": args.busy_procs,
+                                "minutes": round((time.monotonic() - started) / 60, 2)}
     result["decode_floor"] = decode_floor(result)
     result["loadavg_after"] = _loadavg()
     out.write_text(json.dumps(result, indent=1), encoding="utf-8")

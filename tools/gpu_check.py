@@ -149,6 +149,9 @@ golden rule): a check of this script, not of the GPU.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import argparse
 import asyncio
 import dataclasses

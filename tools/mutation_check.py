@@ -30,6 +30,9 @@ the tool stops with exit 2 naming the mutant; update its ``old`` text.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import argparse
 import os
 import re

@@ -28,6 +28,9 @@ moves them.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 from kvserve.thread_env import apply_thread_pool_env
 
 apply_thread_pool_env()  # before NumPy / Numba load

@@ -29,6 +29,9 @@ py-spy``) and pass ``--py-spy PATH`` if it is not on ``PATH``.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import argparse
 import collections
 import json

@@ -25,6 +25,9 @@ decode steps); record on a quiet machine, e.g. with ``NUMBA_NUM_THREADS=1``:
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import argparse
 import asyncio
 import io

@@ -4,6 +4,9 @@
     python tools/soak.py --help
 """
 
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
+
 import sys
 
 from kvserve.testing.soak import main

@@ -4,6 +4,8 @@ Routes (OpenAI API reference, https://platform.openai.com/docs/api-reference):
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{model}`` and ``GET /health`` (200 when the engine is ready,
 else 503). vLLM's extensions: ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``.
+While the model loads, ``LoadingGate`` answers in the app's place: ``/health``
+503 ``{"status": "loading"}``, every other path 503 (llama.cpp's "Loading model").
 """
 
 from __future__ import annotations
@@ -75,6 +77,65 @@ class BearerAuth:
                 # The auth scheme is case-insensitive (RFC 7235, section 2.1).
                 return scheme.lower() == b"bearer" and hmac.compare_digest(token, self.expected)
         return False
+
+
+#: Seconds a client is told to wait (``Retry-After``) while the model loads.
+LOADING_RETRY_AFTER = 1
+
+
+class LoadingGate:
+    """The ASGI app the server runs from before the model loads: the port
+    answers from the first second of a start, as llama.cpp's server does.
+
+    Until ``open(app)``: ``GET /health`` (any method) answers 503 with
+    ``{"status": "loading"}``; every other HTTP path 503 with OpenAI's error
+    body (type ``service_unavailable``) and ``Retry-After``; a websocket is
+    closed. After it, every request goes to ``app``. Lifespan events are
+    answered here in both states (``build_app``'s app has no start-up or
+    shutdown handlers).
+    """
+
+    def __init__(self) -> None:
+        self.app: ASGIApp | None = None
+
+    def open(self, app: ASGIApp) -> None:
+        """Hand every later request to ``app`` (the engine is ready)."""
+        self.app = app
+
+    @property
+    def loading(self) -> bool:
+        """True until ``open``."""
+        return self.app is None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _answer_lifespan(receive, send)
+        elif self.app is not None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await _loading_response(scope["path"])(scope, receive, send)
+        else:  # websocket: no such route while loading either
+            await send({"type": "websocket.close", "code": 1013})  # "try again later"
+
+
+def _loading_response(path: str) -> Response:
+    """The 503 for ``path`` while the model loads."""
+    headers = {"Retry-After": str(LOADING_RETRY_AFTER)}
+    if path == "/health":
+        return JSONResponse({"status": "loading"}, status_code=503, headers=headers)
+    return JSONResponse(error_body("The model is loading; retry when /health answers 200.",
+                                   "service_unavailable"), status_code=503, headers=headers)
+
+
+async def _answer_lifespan(receive: Receive, send: Send) -> None:
+    """Complete the ASGI lifespan protocol's start-up and shutdown."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
 
 
 def build_app(engine: EngineClient, server_config: ServerConfig, *,

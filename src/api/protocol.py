@@ -11,7 +11,9 @@ Formats follow the OpenAI API reference:
 Requests are validated in strict mode (no ``"1"`` -> ``1`` coercion), so a
 wrong type is a 400 that names the field. A JSON ``null`` for an optional
 field means "unset" (its default), as OpenAI and vLLM read it. Value ranges
-are checked once, by ``SamplingParams``. Unknown fields are ignored, as vLLM
+are checked once, by ``SamplingParams``. Sampling fields a request omits
+take the server's generation defaults (``with_defaults``: the checkpoint's
+``generation_config.json``, vLLM's ``--generation-config``). Unknown fields are ignored, as vLLM
 does; a field OpenAI defines whose answer would differ (``best_of``) is
 refused rather than ignored.
 """
@@ -33,6 +35,7 @@ from kvserve.actors.messages import RequestOutput
 from kvserve.api.tool_calls import ToolCallStream, parse_tool_calls, render_messages, tool_grammar
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.core.structured_outputs import StructuredOutputsParams, closed_objects
+from kvserve.model.generation_config import GenerationDefaults
 
 TokenText = Callable[[int], str]
 TokenBytes = Callable[[int], bytes]
@@ -294,6 +297,21 @@ class _CommonRequest(_Model):
         return kwargs
 
 
+def with_defaults(kwargs: dict[str, Any], defaults: GenerationDefaults | None) -> SamplingParams:
+    """``SamplingParams(**kwargs)`` with the server's generation defaults
+    (``--generation-config``: ``kvserve.model.generation_config``) in the
+    fields the request left out: the one place both endpoints apply them.
+
+    ``kwargs`` holds the request's sampling fields, the omitted ones absent
+    (``_sampling_kwargs``) and ``max_tokens`` None when unset. A field the
+    request sent always wins (``temperature: 0`` stays greedy), except that
+    a ``--generation-config`` folder's ``max_new_tokens`` caps ``max_tokens``
+    (vLLM's rule). ``defaults`` None: ``SamplingParams``' own defaults.
+    Raises ``ValueError`` naming the field for a bad value.
+    """
+    return SamplingParams(**(kwargs if defaults is None else defaults.apply(kwargs)))
+
+
 def _from_response_format(fmt: ResponseFormat | None) -> StructuredOutputsParams | None:
     if fmt is None or fmt.type == "text":
         return None
@@ -370,12 +388,13 @@ class ChatCompletionRequest(_CommonRequest):
                              f"(tools: {names})")
         return True, choice.function.name
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         """Build ``SamplingParams``; raises ``ValueError`` for bad values.
 
         ``max_completion_tokens`` wins over the deprecated ``max_tokens``;
-        unset means "up to the context length". ``top_logprobs`` needs
-        ``logprobs: true`` (as OpenAI requires).
+        unset means the ``defaults``' ``max_tokens``, else "up to the
+        context length". ``top_logprobs`` needs ``logprobs: true`` (as
+        OpenAI requires). ``defaults``: ``with_defaults``.
         """
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
@@ -392,7 +411,7 @@ class ChatCompletionRequest(_CommonRequest):
             kwargs["structured_outputs"] = tool_grammar(
                 [t.model_dump(exclude_none=True) for t in self.tools or ()], name,
                 self.parallel_tool_calls)
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+        return with_defaults(dict(kwargs, max_tokens=max_tokens, logprobs=logprobs), defaults)
 
     def tool_reply(self) -> ToolReply | None:
         """How the answer's tool calls are returned, or None when tools are
@@ -473,16 +492,20 @@ class CompletionRequest(_CommonRequest):
             "`logprobs` and pick the best one client-side (e.g. by the mean of "
             "token_logprobs).")
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         """Build ``SamplingParams``; raises ``ValueError`` for bad values
         (``best_of``: ``check_best_of``).
 
         ``echo`` with ``logprobs`` asks the engine for prompt logprobs too.
+        ``defaults``: ``with_defaults``; an omitted ``max_tokens`` is
+        OpenAI's 16, so only ``max_tokens: null`` takes the default's (as in
+        vLLM, whose completions ``max_tokens`` defaults to 16 too).
         """
         self.check_best_of()
         prompt_logprobs = self.logprobs if self.echo else None
-        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
-                              prompt_logprobs=prompt_logprobs, **self._sampling_kwargs())
+        return with_defaults(dict(self._sampling_kwargs(), max_tokens=self.max_tokens,
+                                  logprobs=self.logprobs, prompt_logprobs=prompt_logprobs),
+                             defaults)
 
 
 class TokenizeRequest(_Model):

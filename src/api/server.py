@@ -5,14 +5,20 @@ and is maintained; a server of our own would add nothing we need. The limits
 uvicorn lacks (timeouts on a request's head and body and on a new idle
 connection, a connection bound) are timers on its own h11 protocol
 (``kvserve.api.connections``).
+
+The CLI binds the port itself first (``bind_socket``), so a busy port is one
+line before anything loads, and hands the socket to uvicorn, which serves
+``kvserve.api.app.LoadingGate`` while the model loads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import resource
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -48,6 +54,47 @@ def uvicorn_config(app, server: ServerConfig) -> uvicorn.Config:
                           h11_max_incomplete_event_size=server.max_header_bytes)
 
 
+class PortUnavailable(OSError):
+    """The host and port cannot be bound; the message is one line for people."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening; uvicorn
+    listens on it), as uvicorn's ``Config.bind_socket`` makes it: IPv6 when
+    ``host`` holds a colon, ``SO_REUSEADDR`` (a port in TIME_WAIT is free;
+    one another process listens on is not).
+
+    Raises ``PortUnavailable`` (one line saying what to do) when the port is
+    in use, not ours to bind, or the host is not an address of this machine.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortUnavailable(exc.errno, _bind_problem(host, port, exc)) from None
+    except (OverflowError, socket.gaierror) as exc:  # a port out of range, an unknown host
+        sock.close()
+        raise PortUnavailable(errno.EINVAL, f"cannot listen on {host}:{port}: {exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _bind_problem(host: str, port: int, exc: OSError) -> str:
+    """One line on why ``host:port`` could not be bound, and what to do."""
+    where = f"{host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return (f"port {port} is already in use on {host} (another server, or an earlier "
+                f"kvserve, listens there): stop it or give another --port")
+    if exc.errno == errno.EACCES:
+        return f"cannot listen on {where}: permission denied (ports below 1024 need root)"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"cannot listen on {where}: {host} is not an address of this machine (--host)"
+    return f"cannot listen on {where}: {exc.strerror or exc}"
+
+
 def fit_file_limit(max_connections: int) -> int:
     """Raise the soft open-file limit to the hard one (as vLLM does), and
     return ``max_connections``, lowered (with a warning) so that the
@@ -71,6 +118,12 @@ def fit_file_limit(max_connections: int) -> int:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, but a shutdown signal first drains the engine.
+
+    ``engine`` is None while the model loads (the server already answers,
+    from ``LoadingGate``); the CLI sets it once the engine is ready. A
+    SIGTERM or SIGINT before then ends the process at once with status 0
+    (``exit_process``): nothing was accepted, and the load runs on a thread
+    that cannot be interrupted.
 
     On SIGTERM the engine stops admitting (new requests get 503), accepted
     requests run to completion for up to ``drain_timeout`` seconds (the rest
@@ -101,6 +154,12 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.engine is None and sig in (signal.SIGTERM, signal.SIGINT):
+            log.info("shutdown_while_loading", signal=signal.Signals(sig).name,
+                     message="Stopped while the model was loading: exiting")
+            sys.stderr.flush()
+            self.exit_process(0)
+            return
         if sig not in (signal.SIGTERM, signal.SIGINT) or self._loop is None or self._draining:
             super().handle_exit(sig, frame)
             return

