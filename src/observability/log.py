@@ -93,7 +93,10 @@ def configure_logging(fmt: str = "json", level: str = "info", stream=None) -> No
     structlog.configure(
         processors=[*stamp, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(stream),
+        # one write per line (PrintLogger's print writes the newline apart,
+        # so another thread's line -- Ray forwarding a replica's -- could
+        # land between a line and its newline)
+        logger_factory=structlog.WriteLoggerFactory(stream),
         cache_logger_on_first_use=False,
     )
     _set_root_handler(stream, numeric, structlog.stdlib.ProcessorFormatter(

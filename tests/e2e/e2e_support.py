@@ -244,13 +244,19 @@ class LiveServer(ServerProcess):
     def log_events(self, name: str) -> list[dict]:
         """The JSON log events named ``name`` the server (or its replicas) wrote so far."""
         found = []
+        decoder = json.JSONDecoder()
         for line in self.stderr_path.read_text().splitlines():
-            try:
-                event = json.loads(line[line.index("{"):])
-            except ValueError:
-                continue
-            if event.get("event") == name:
-                found.append(event)
+            # several processes write here (Ray forwards the replicas' lines),
+            # so a line may hold more than one object
+            pos = line.find("{")
+            while pos >= 0:
+                try:
+                    event, end = decoder.raw_decode(line, pos)
+                except ValueError:
+                    break
+                if isinstance(event, dict) and event.get("event") == name:
+                    found.append(event)
+                pos = line.find("{", end)
         return found
 
 @dataclass
