@@ -402,3 +402,22 @@ def test_a_start_on_a_terminal_logs_for_people(tiny_model: Path, busy_port: int)
     assert lines[0].endswith(f"[info     ] kvserve {cli.kvserve_version()}")
     assert "non-default args: {" in lines[1]
     assert lines[-1].startswith(f"kvserve: error: port {busy_port} is already in use")
+
+
+def test_a_drained_signal_is_not_raised_again_after_the_server_stops():
+    """uvicorn re-raises the signal that stopped it once it has shut down;
+    under asyncio that cancels the CLI's main task and an idle server's
+    Ctrl-C ended in a KeyboardInterrupt traceback. DrainingServer's drain
+    handled it already: leaving ``capture_signals`` raises nothing."""
+    import uvicorn
+
+    from kvserve.api.server import DrainingServer
+
+    async def app(scope, receive, send):  # pragma: no cover - never called
+        pass
+
+    server = DrainingServer(uvicorn.Config(app), engine=None, drain_timeout=0.0)
+    with server.capture_signals():
+        server._captured_signals.append(signal.SIGINT)  # what handle_exit records
+    # reaching this line is the test: no KeyboardInterrupt was raised
+    assert server._captured_signals == []

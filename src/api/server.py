@@ -14,6 +14,7 @@ line before anything loads, and hands the socket to uvicorn, which serves
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import resource
@@ -152,6 +153,19 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's, except that a signal the drain handled is not raised
+        again once the server stopped: uvicorn re-raises it for the default
+        handler, which under asyncio cancels the CLI's main task and ends
+        an idle server's Ctrl-C in a KeyboardInterrupt traceback; the drain
+        already shut down cleanly, so the process exits with status 0."""
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.engine is None and sig in (signal.SIGTERM, signal.SIGINT):
