@@ -8,7 +8,11 @@ ARGS ?=
 .PHONY: install install-serve model serve test test-fast test-slow test-clients bench-clients \
 	mutation-check bench bench-llamacpp clean
 
-# pip prints its progress (the first install downloads ~150 MB: numba, llvmlite, numpy).
+# pip prints its progress, but not while it unpacks what it downloaded (numba,
+# llvmlite, numpy: 10-20 s on 2 cores): PIP_ALIVE prints a line every 5 s meanwhile,
+# so that a first start has no silent stretch (the line's shell ends it).
+PIP_ALIVE = ( s=0; while sleep 5; do s=$$((s+5)); echo "  ... pip is still installing ($$s s)"; \
+	done ) & alive=$$!; trap 'kill $$alive 2>/dev/null' EXIT;
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
@@ -16,13 +20,13 @@ $(VENV)/.created:
 
 ## The server alone: only what serving one engine needs (no Ray, no bench tools).
 $(VENV)/.installed-serve: pyproject.toml $(VENV)/.created
-	$(PY) -m pip install -e .
+	@echo "$(PY) -m pip install -e ."; $(PIP_ALIVE) $(PY) -m pip install -e .
 	touch $@
 
 ## Everything: the server, the bench extra (httpx, tqdm, matplotlib), the distributed
 ## extra (Ray: data parallelism) and the test tools.
 $(VENV)/.installed: pyproject.toml $(VENV)/.created
-	$(PY) -m pip install -e '.[test]'
+	@echo "$(PY) -m pip install -e '.[test]'"; $(PIP_ALIVE) $(PY) -m pip install -e '.[test]'
 	touch $@
 
 install-serve: $(VENV)/.installed-serve
