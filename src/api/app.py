@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvserve.actors.stream import EngineClient
 from kvserve.api.connections import HeaderSizeLimit
 from kvserve.api.errors import EXCEPTION_HANDLERS, APIError, error_body
+from kvserve.api.refusal_log import RefusalLogMiddleware
 from kvserve.api.tool_calls import render_messages
 from kvserve.api.protocol import (
     ChatCompletionRequest,
@@ -257,6 +258,7 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
     if server_config.api_key:
         app.add_middleware(BearerAuth, api_key=server_config.api_key)
     app.add_middleware(HeaderSizeLimit, max_bytes=server_config.max_header_bytes)
+    app.add_middleware(RefusalLogMiddleware)  # outermost: sees 401 and 431 too
     return app
 
 

@@ -165,12 +165,35 @@ def refuse_message_flood(data: dict[str, Any], engine: EngineClient) -> None:
 
 
 def parse_model(model_cls: type[ModelT], data: dict[str, Any]) -> ModelT:
-    """Validate ``data``; a ``ValidationError`` becomes a 400 naming the field."""
+    """Validate ``data``; a ``ValidationError`` becomes a 400 naming the field.
+    Fields the model does not know are ignored (OpenAI's clients send new
+    ones first) and logged as ``request_fields_ignored`` (vLLM warns the
+    same), so that a misspelt ``max_token`` does not go unnoticed."""
     try:
-        return model_cls.model_validate(data)
+        parsed = model_cls.model_validate(data)
     except ValidationError as exc:
         param, message = validation_error_param(exc)
         raise APIError(400, message, param=param) from exc
+    ignored = ignored_fields(model_cls, data)
+    if ignored:
+        log.warning("request_fields_ignored", fields=ignored,
+                    message=f"The following fields were present in the request but ignored: "
+                            f"{', '.join(ignored)}")
+    return parsed
+
+
+#: Most ignored field names one ``request_fields_ignored`` line lists.
+MAX_IGNORED_FIELDS = 20
+
+
+def ignored_fields(model_cls: type[Any], data: dict[str, Any]) -> list[str]:
+    """The top-level keys of ``data`` that ``model_cls`` (a pydantic model)
+    has no field or alias for, sorted, at most ``MAX_IGNORED_FIELDS``, each
+    cut to 64 characters."""
+    known = set()
+    for name, info in model_cls.model_fields.items():
+        known.update(a for a in (name, info.alias, info.validation_alias) if isinstance(a, str))
+    return sorted(str(k)[:64] for k in data if k not in known)[:MAX_IGNORED_FIELDS]
 
 
 @dataclass(frozen=True)
