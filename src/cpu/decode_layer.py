@@ -71,14 +71,13 @@ def _gemv_range(x, w, out, lo, hi, per_row):
 
 
 @njit(nogil=True, cache=True)
-def _q8_operand(x, act_q8):
+def _q8_operand(x, act_q8, unused):
     """``(xq, xd, xsum)``: float32[S, K] ``x`` in Q8 blocks
-    (``block_dot_kernels.quantize_q8_blocks``) when ``act_q8``, else empty
-    placeholders of the same types."""
+    (``block_dot_kernels.quantize_q8_blocks``) when ``act_q8``, else
+    ``unused`` (empty placeholders of the same types, made once a call)."""
     S, K = x.shape
     if not act_q8:
-        return (np.empty((0, 0), np.int8), np.empty((0, 0), np.float32),
-                np.empty((0, 0), np.float32))
+        return unused
     xq = np.empty((S, K), np.int8)
     xd = np.empty((S, K // QK), np.float32)
     xsum = np.empty((S, K // QK), np.float32)
@@ -200,6 +199,8 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
     xn = np.empty((S, H), np.float32)
     q = np.empty((S, nh, hd), np.float32)
     att = np.empty((S, nh, hd), np.float32)
+    no_q8 = (np.empty((0, 0), np.int8), np.empty((0, 0), np.float32),
+             np.empty((0, 0), np.float32))
     for li in range(l0, l1):
         input_norm, post_norm, qkv_w, qkv_bias, o_w, gate_up_w, down_w = layers[li]
         kv_cache = kv_caches[li]
@@ -208,7 +209,7 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
 
         n_qkv = (nh + 2 * nkv) * hd
         qkv = np.empty((S, n_qkv), np.float32)
-        xq8 = _q8_operand(xn, act_q8)
+        xq8 = _q8_operand(xn, act_q8, no_q8)
         for c in prange(n_chunks):
             lo, hi = _span(c, n_chunks, n_qkv)
             _product_range(xn, xq8, act_q8, per_row, qkv_w, qkv, lo, hi)
@@ -224,7 +225,7 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
                             block_tables, seq_lens, scale, nh, nkv, q, att)
 
         att2 = att.reshape(S, nh * hd)
-        xq8 = _q8_operand(att2, act_q8)
+        xq8 = _q8_operand(att2, act_q8, no_q8)
         for c in prange(n_chunks):
             lo, hi = _span(c, n_chunks, H)
             _product_range(att2, xq8, act_q8, per_row, o_w, x, lo, hi)
@@ -234,7 +235,7 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
         inter = gate_up_w[1] // 2
         gu = np.empty((S, 2 * inter), np.float32)
         act = np.empty((S, inter), np.float32)
-        xq8 = _q8_operand(xn, act_q8)
+        xq8 = _q8_operand(xn, act_q8, no_q8)
         for c in prange(n_chunks):
             lo, hi = _span(c, n_chunks, inter)
             _product_range(xn, xq8, act_q8, per_row, gate_up_w, gu, lo, hi)
@@ -244,7 +245,7 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
                     a = gu[t, i]
                     act[t, i] = a / (np.float32(1.0) + np.exp(-a)) * gu[t, inter + i]
 
-        xq8 = _q8_operand(act, act_q8)
+        xq8 = _q8_operand(act, act_q8, no_q8)
         for c in prange(n_chunks):
             lo, hi = _span(c, n_chunks, H)
             _product_range(act, xq8, act_q8, per_row, down_w, x, lo, hi)
