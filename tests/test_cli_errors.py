@@ -91,12 +91,11 @@ def make_gguf(path: Path) -> Path:
     return path
 
 
-def test_a_gguf_file_says_what_model_takes(tmp_path: Path) -> None:
+def test_an_unreadable_gguf_file_says_so_in_one_line(tmp_path: Path) -> None:
     gguf = make_gguf(tmp_path / "model-q4_0.gguf")
     (line,) = error_lines(kvserve("serve", "--model", str(gguf), "--port", "0"))
-    assert line == (f"kvserve: error: --model {gguf}: a GGUF file is not loaded directly yet; "
-                    f"{ACCEPTS} of a llama, mistral or qwen2 model (`kvserve fetch-model` "
-                    "makes one for the default model from its GGUF)")
+    assert line.startswith(f"kvserve: error: --model {gguf}: cannot convert it: {gguf}: not a "
+                           "readable GGUF file")
 
 
 def test_a_hub_id_says_kvserve_serves_local_folders_and_how_to_get_the_default(
@@ -115,8 +114,9 @@ def test_a_hub_id_says_kvserve_serves_local_folders_and_how_to_get_the_default(
 def test_a_missing_folder_says_what_is_accepted(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     assert error_lines(kvserve("serve", "--model", str(missing), "--port", "0")) == [
-        f"kvserve: error: --model {missing}: no such folder; {ACCEPTS} of a llama, mistral or "
-        "qwen2 model, or leave --model out for the default model (SmolLM2-135M-Instruct)"]
+        f"kvserve: error: --model {missing}: no such folder; {ACCEPTS} of a llama, mistral, "
+        "qwen2 or gemma3 model, or a .gguf file, or leave --model out for the default model "
+        "(SmolLM2-135M-Instruct)"]
 
 
 # --------------------------------------------------------------------------- help, version

@@ -1,7 +1,7 @@
-"""``kvserve serve --model``: what is not a servable checkpoint folder (a GGUF
-file, a folder holding only a GGUF, a missing path, a hub model id) is one
-line on stderr and exit status 2 before any model loads (issue 25), not a
-traceback or a missing ``config.json``."""
+"""``kvserve serve --model``: what is not a servable checkpoint (a file that
+is not a GGUF, a GGUF the converter cannot read, a missing path, a hub model
+id) is one line on stderr and exit status 2 before any model loads (issues
+25 and 30), not a traceback or a missing ``config.json``."""
 
 from __future__ import annotations
 
@@ -29,27 +29,34 @@ def make_gguf(path: Path) -> Path:
     return path
 
 
-def test_a_gguf_file_is_refused_saying_what_model_takes(tmp_path: Path) -> None:
-    errors = serve_errors(str(make_gguf(tmp_path / "model-q4_0.gguf")))
+def test_an_unreadable_gguf_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    gguf = make_gguf(tmp_path / "model-q4_0.gguf")
+    errors = serve_errors(str(gguf))
     assert len(errors) == 1, errors
-    assert errors[0].startswith("kvserve: error: --model ")
-    assert "a GGUF file is not loaded directly yet" in errors[0]
-    assert ACCEPTS in errors[0] and "kvserve fetch-model" in errors[0]
+    assert errors[0].startswith(f"kvserve: error: --model {gguf}: cannot convert it: {gguf}: "
+                                "not a readable GGUF file")
 
 
-def test_a_folder_holding_only_a_gguf_is_refused_the_same_way(tmp_path: Path) -> None:
-    make_gguf(tmp_path / "only-gguf" / "model.gguf")
+def test_a_folder_holding_only_an_unreadable_gguf_says_the_same(tmp_path: Path) -> None:
+    gguf = make_gguf(tmp_path / "only-gguf" / "model.gguf")
     errors = serve_errors(str(tmp_path / "only-gguf"))
     assert len(errors) == 1, errors
-    assert "holds a GGUF file (model.gguf) but no config.json" in errors[0]
-    assert ACCEPTS in errors[0] and "kvserve fetch-model" in errors[0]
+    assert f"{gguf}: not a readable GGUF file" in errors[0]
+
+
+def test_a_missing_gguf_is_no_such_file(tmp_path: Path) -> None:
+    missing = tmp_path / "absent.gguf"
+    assert serve_errors(str(missing)) == [
+        f"kvserve: error: --model {missing}: no such file; {ACCEPTS} of a llama, mistral, "
+        "qwen2 or gemma3 model, or a .gguf file"]
 
 
 def test_a_missing_folder_is_one_line(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     assert serve_errors(str(missing)) == [
-        f"kvserve: error: --model {missing}: no such folder; {ACCEPTS} of a llama, mistral or "
-        "qwen2 model, or leave --model out for the default model (SmolLM2-135M-Instruct)"]
+        f"kvserve: error: --model {missing}: no such folder; {ACCEPTS} of a llama, mistral, "
+        "qwen2 or gemma3 model, or a .gguf file, or leave --model out for the default model "
+        "(SmolLM2-135M-Instruct)"]
 
 
 def test_a_hub_model_id_is_not_fetched(tmp_path: Path) -> None:
@@ -72,4 +79,4 @@ def test_a_folder_missing_checkpoint_files_names_them(tmp_path: Path, present: t
         (tmp_path / name).write_text("{}", encoding="utf-8")
     errors = serve_errors(str(tmp_path))
     assert errors == [f"kvserve: error: --model {tmp_path}: no {missing} in this folder; "
-                      f"{ACCEPTS} of a llama, mistral or qwen2 model"]
+                      f"{ACCEPTS} of a llama, mistral, qwen2 or gemma3 model, or a .gguf file"]

@@ -606,6 +606,19 @@ def check_model(name: str | None, engine: EngineClient, config: ServerConfig) ->
                    code="model_not_found")
 
 
+def check_chat_template(engine: EngineClient) -> None:
+    """400 naming ``messages`` when the engine's tokenizer has no chat template
+    (a base model's GGUF has none): the message says so and names
+    ``--chat-template``; completions are unaffected. An engine whose
+    tokenizer does not say (no ``chat_template`` attribute) is let through."""
+    from kvserve.model.tokenizer import NO_CHAT_TEMPLATE
+
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is not None and hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:
+        raise APIError(400, f"Chat completions need a chat template, and {NO_CHAT_TEMPLATE}.",
+                       param="messages", code="chat_template_missing")
+
+
 def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers: RequestHeaders,
             engine: EngineClient, config: ServerConfig) -> Prepared:
     """Turn a validated body and its headers into a ``GenerateRequest`` and renderer."""
@@ -615,6 +628,7 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
     request_id = headers.request_id or new_request_id(prefix)
     inputs: dict[str, Any]
     if isinstance(body, ChatCompletionRequest):
+        check_chat_template(engine)
         inputs = {"messages": tuple(body.template_messages())}
     else:
         try:

@@ -132,7 +132,8 @@ class DataParallelClient:
                              f"{threads} CPU thread(s), role {role}")
         sched = config.scheduler
         short = sched.long_prefill_token_threshold or sched.max_num_batched_tokens // 2
-        client = cls(replicas, infos, Tokenizer(Path(config.model)), routing, prefill_replicas,
+        client = cls(replicas, infos, Tokenizer(Path(config.model), config.chat_template),
+                     routing, prefill_replicas,
                      short_prompt_tokens=short)
         if tier_bytes:
             await client._share_offload_tier(tier_bytes)

@@ -21,7 +21,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -31,10 +30,14 @@ import zipfile
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import structlog
 
+from kvserve.model import gguf_convert
 from kvserve.model.generation_config import GENERATION_CONFIG_FILE
+# Re-exported: the GGUF conversion lived here before it was shared by every GGUF model.
+from kvserve.model.gguf_convert import (_BLOCK_NAMES, _GLOBAL_NAMES, ConversionError,  # noqa: F401
+                                        hf_tensor_name, permute_qk, unpermute_qk)
+from kvserve.model.gguf_tokenizer import build_bpe_tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 """Name of the default model; also the name of its folder in the cache."""
@@ -71,10 +74,6 @@ _log = structlog.get_logger()
 #:   default such a loop runs to the 8,192-token context. Requests that set
 #:   ``max_tokens`` are not limited by it.
 DEFAULT_GENERATION_CONFIG = {"temperature": 0.0, "top_p": 0.9, "max_new_tokens": 512}
-
-
-class ConversionError(ValueError):
-    """A GGUF file cannot be converted; the message names the file and, if any, the tensor."""
 
 
 # --------------------------------------------------------------------------- cache
@@ -251,295 +250,22 @@ def _mib(path: Path) -> str:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Convert a llama-architecture GGUF file into a Hugging Face checkpoint folder.
-
-    Every tensor is dequantized to float32, renamed to its HF Llama name, reshaped to
-    the HF ``[out_features, in_features]`` layout, and ``attn_q``/``attn_k`` rows are
-    un-permuted (see :func:`unpermute_qk`).
-
-    Args:
-        gguf_path: the ``.gguf`` file (general.architecture must be ``llama``).
-        out_dir: folder to create (parents too); existing files are overwritten.
+    """Convert a llama (or gemma3) GGUF file into a Hugging Face checkpoint folder
+    (``kvserve.model.gguf_convert.convert_gguf``, shared by every GGUF model).
 
     Raises:
-        ConversionError: wrong architecture, missing metadata, an unknown tensor name,
-            an unsupported quantization type or a shape mismatch. The message names
+        ConversionError: as ``gguf_convert.convert_gguf``; the message names
             the file and the tensor.
     """
-    import gguf
-    from safetensors.numpy import save_file
-
-    gguf_path = Path(gguf_path)
-    reader = gguf.GGUFReader(gguf_path)
-    meta = _read_metadata(reader, gguf_path)
-    tensors = _convert_tensors(reader, meta, gguf_path)
-    tied = "lm_head.weight" not in tensors
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(out_dir / "model.safetensors", 0o644)  # safetensors writes it owner-only
-    _write_json(out_dir / "config.json", _hf_config(meta, tied))
-    tokenizer = build_tokenizer(meta["tokens"], meta["merges"], meta["token_types"], meta["pre"])
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(meta))
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _field(reader: Any, key: str, gguf_path: Path, default: Any = ...) -> Any:
-    """Return the decoded value of metadata ``key``; ConversionError if absent and no default."""
-    field = reader.fields.get(key)
-    if field is None:
-        if default is ...:
-            raise ConversionError(f"{gguf_path}: missing GGUF metadata key {key!r}")
-        return default
-    return field.contents()
-
-
-def _read_metadata(reader: Any, gguf_path: Path) -> dict[str, Any]:
-    """Collect the model and tokenizer metadata the conversion needs."""
-    arch = _field(reader, "general.architecture", gguf_path)
-    if arch != "llama":
-        raise ConversionError(f"{gguf_path}: unsupported architecture {arch!r} (only 'llama')")
-
-    def f(key: str, default: Any = ...) -> Any:
-        return _field(reader, key, gguf_path, default)
-
-    n_head = int(f("llama.attention.head_count"))
-    hidden = int(f("llama.embedding_length"))
-    tokens = list(f("tokenizer.ggml.tokens"))
-    model = f("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ConversionError(f"{gguf_path}: unsupported tokenizer model {model!r} (only 'gpt2' BPE)")
-    return {
-        "n_layer": int(f("llama.block_count")),
-        "hidden": hidden,
-        "ffn": int(f("llama.feed_forward_length")),
-        "n_head": n_head,
-        "n_head_kv": int(f("llama.attention.head_count_kv", n_head)),
-        "head_dim": int(f("llama.attention.key_length", f("llama.rope.dimension_count", hidden // n_head))),
-        "eps": float(f("llama.attention.layer_norm_rms_epsilon")),
-        "theta": float(f("llama.rope.freq_base", 10000.0)),
-        "ctx": int(f("llama.context_length")),
-        "vocab": int(f("llama.vocab_size", len(tokens))),
-        "tokens": tokens,
-        "merges": list(f("tokenizer.ggml.merges")),
-        "token_types": [int(t) for t in f("tokenizer.ggml.token_type", [1] * len(tokens))],
-        "pre": f("tokenizer.ggml.pre", "default"),
-        "bos": f("tokenizer.ggml.bos_token_id", None),
-        "eos": f("tokenizer.ggml.eos_token_id", None),
-        "unk": f("tokenizer.ggml.unknown_token_id", None),
-        "pad": f("tokenizer.ggml.padding_token_id", None),
-        "add_bos": bool(f("tokenizer.ggml.add_bos_token", False)),
-        "chat_template": f("tokenizer.chat_template", None),
-    }
-
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """Map a GGUF llama tensor name to its HF Llama name, or None when it has no mapping.
-
-    Example: ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``.
-    """
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
-        return None
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
-
-
-def _expected_shapes(meta: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """HF shape of every tensor a llama checkpoint may hold (lm_head is optional)."""
-    h, hd, v, ffn = meta["hidden"], meta["head_dim"], meta["vocab"], meta["ffn"]
-    q, kv = meta["n_head"] * hd, meta["n_head_kv"] * hd
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    per_layer = {
-        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-        "mlp.gate_proj.weight": (ffn, h), "mlp.up_proj.weight": (ffn, h),
-        "mlp.down_proj.weight": (h, ffn),
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-    }
-    for i in range(meta["n_layer"]):
-        for suffix, shape in per_layer.items():
-            shapes[f"model.layers.{i}.{suffix}"] = shape
-    return shapes
-
-
-def _convert_tensors(reader: Any, meta: dict[str, Any], gguf_path: Path) -> dict[str, np.ndarray]:
-    """Dequantize, rename, check and un-permute every tensor of the GGUF."""
-    shapes = _expected_shapes(meta)
-    out: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
-        name = hf_tensor_name(t.name)
-        if name is None or name not in shapes:
-            raise ConversionError(f"{gguf_path}: unknown tensor {t.name!r}")
-        arr = _dequantize(t, gguf_path)
-        if arr.shape != shapes[name]:
-            raise ConversionError(f"{gguf_path}: tensor {t.name!r} has shape {arr.shape}, "
-                                  f"expected {shapes[name]} for {name}")
-        if t.name.endswith("attn_q.weight"):
-            arr = unpermute_qk(arr, meta["n_head"])
-        elif t.name.endswith("attn_k.weight"):
-            arr = unpermute_qk(arr, meta["n_head_kv"])
-        out[name] = np.ascontiguousarray(arr, dtype=np.float32)
-    missing = sorted(set(shapes) - set(out) - {"lm_head.weight"})
-    if missing:
-        raise ConversionError(f"{gguf_path}: missing tensor(s) {missing[:5]} ({len(missing)} in all)")
-    return out
-
-
-def _dequantize(tensor: Any, gguf_path: Path) -> np.ndarray:
-    """Dequantize one GGUF tensor to float32 in numpy (row-major, HF) order."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    try:
-        arr = dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
-    except NotImplementedError as exc:
-        raise ConversionError(f"{gguf_path}: tensor {tensor.name!r} has unsupported quantization "
-                              f"type {tensor.tensor_type.name}") from exc
-    # GGUF lists dimensions innermost first; numpy wants them outermost first.
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    return arr.astype(np.float32, copy=False).reshape(shape)
-
-
-def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Apply llama.cpp's HF->GGUF row permutation to a Q or K projection.
-
-    Within each head, rows ``[x0..x(d/2-1), y0..y(d/2-1)]`` (HF's rotate-half RoPE
-    layout) become ``[x0, y0, x1, y1, ...]`` (GGUF's interleaved-pair layout).
-
-    Args:
-        w: ``[n_head * head_dim, in_features]`` weight (or a bias of shape ``[n_head * head_dim]``).
-        n_head: number of heads of this projection (the KV head count for K).
-    """
-    rows = w.shape[0]
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Exact inverse of :func:`permute_qk`: GGUF interleaved rows back to HF's layout.
-
-    Args:
-        w: ``[n_head * head_dim, in_features]`` weight (or bias) as stored in the GGUF.
-        n_head: number of heads of this projection (the KV head count for K).
-
-    Returns:
-        A new array of the same shape and dtype.
-    """
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _hf_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
-    """The HF ``config.json`` contents for a converted llama GGUF."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": meta["vocab"],
-        "hidden_size": meta["hidden"],
-        "intermediate_size": meta["ffn"],
-        "num_hidden_layers": meta["n_layer"],
-        "num_attention_heads": meta["n_head"],
-        "num_key_value_heads": meta["n_head_kv"],
-        "head_dim": meta["head_dim"],
-        "rms_norm_eps": meta["eps"],
-        "rope_theta": meta["theta"],
-        "max_position_embeddings": meta["ctx"],
-        "tie_word_embeddings": tied,
-        "bos_token_id": meta["bos"],
-        "eos_token_id": meta["eos"],
-        "torch_dtype": "float32",
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-    }
-
-
-def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
-    """The HF ``tokenizer_config.json`` contents (special tokens, chat template)."""
-    tokens = meta["tokens"]
-
-    def tok(idx: int | None) -> str | None:
-        return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
-
-    return {
-        "tokenizer_class": "GPT2Tokenizer",
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "add_prefix_space": False,
-        "bos_token": tok(meta["bos"]),
-        "eos_token": tok(meta["eos"]),
-        "pad_token": tok(meta["pad"]),
-        "unk_token": tok(meta["unk"]),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": meta["ctx"],
-        "additional_special_tokens": [t for t, ty in zip(tokens, meta["token_types"]) if ty == 3],
-        "chat_template": meta["chat_template"],
-    }
-
-
-# --------------------------------------------------------------------------- tokenizer
-
-
-_CONTROL = 3  # llama.cpp token type of control (special) tokens
-_USER_DEFINED = 4
+    gguf_convert.convert_gguf(gguf_path, out_dir)
 
 
 def build_tokenizer(tokens: list[str], merges: list[str], token_types: list[int],
                     pre: str = "smollm") -> Any:
-    """Build an HF ``tokenizers.Tokenizer`` (byte-level BPE) from GGUF tokenizer metadata.
-
-    Args:
-        tokens: ``tokenizer.ggml.tokens`` (byte-level alphabet strings, index = id).
-        merges: ``tokenizer.ggml.merges`` (``"left right"`` strings, by priority).
-        token_types: ``tokenizer.ggml.token_type``; control tokens (3) become special
-            added tokens, user-defined ones (4) plain added tokens.
-        pre: ``tokenizer.ggml.pre``; ``smollm`` (also ``starcoder``/``refact``) gets
-            single-digit splitting before the GPT-2 byte-level regex, other values
-            only the byte-level regex.
-
-    Returns:
-        A ``tokenizers.Tokenizer`` with no post-processor (no BOS is added).
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise ConversionError("tokenizer.ggml.tokens holds duplicate token strings")
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if pre in ("smollm", "starcoder", "refact"):
-        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    tokenizer.decoder = decoders.ByteLevel()
-    def added(kind: int) -> list[AddedToken]:
-        return [AddedToken(tok, special=(kind == _CONTROL), normalized=False)
-                for tok, ty in zip(tokens, token_types) if ty == kind]
-
-    tokenizer.add_special_tokens(added(_CONTROL))
-    tokenizer.add_tokens(added(_USER_DEFINED))
-    return tokenizer
+    """Byte-level BPE ``tokenizers.Tokenizer`` from GGUF metadata
+    (``kvserve.model.gguf_tokenizer.build_bpe_tokenizer``); ConversionError
+    for duplicate token strings."""
+    try:
+        return build_bpe_tokenizer(tokens, merges, token_types, pre)
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from None

@@ -25,7 +25,6 @@ block gets ``m = -8 d``, which makes it a Q4_1 block of the same values
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -152,45 +151,3 @@ def concat_rows(weights: list[BlockQuantizedWeight]) -> BlockQuantizedWeight:
                                 "+".join(sorted({w.ggml_type for w in weights})))
 
 
-def read_gguf_blocks(gguf_path: Path, hf_shapes: dict[str, tuple[int, ...]],
-                     n_head: int, n_head_kv: int) -> dict[str, BlockQuantizedWeight]:
-    """Every block-quantized tensor of a llama GGUF, by Hugging Face name.
-
-    Rows of ``attn_q`` / ``attn_k`` are un-permuted (llama.cpp's converter
-    interleaves RoPE pairs; ``default_model.unpermute_qk``): blocks run
-    along K, so whole rows move and the bytes of each block stay as they are.
-
-    Args:
-        gguf_path: the ``.gguf`` file.
-        hf_shapes: HF name -> expected ``(N, K)`` (``default_model._expected_shapes``).
-        n_head, n_head_kv: head counts of Q and K.
-
-    Raises:
-        ValueError: an unknown tensor, a tensor of another shape, or a
-            quantized type other than Q4_0 / Q4_1 / Q8_0 (F32 / F16
-            tensors are left to the float checkpoint).
-    """
-    import gguf
-
-    from kvserve.model.default_model import hf_tensor_name, unpermute_qk
-
-    out: dict[str, BlockQuantizedWeight] = {}
-    for t in gguf.GGUFReader(str(gguf_path)).tensors:
-        kind = t.tensor_type.name
-        if kind in ("F32", "F16"):
-            continue
-        name = hf_tensor_name(t.name)
-        shape = tuple(int(s) for s in reversed(t.shape))
-        if name is None or hf_shapes.get(name) != shape:
-            raise ValueError(f"{gguf_path}: tensor {t.name!r} {shape} does not fit the "
-                             f"checkpoint ({name}: {hf_shapes.get(name)})")
-        if kind not in BLOCK_KINDS:
-            raise ValueError(f"{gguf_path}: tensor {t.name!r} is {kind}; --quantization q4 "
-                             f"serves {', '.join(BLOCK_KINDS)} blocks")
-        weight = from_gguf_bytes(np.asarray(t.data), kind, shape)
-        if t.name.endswith("attn_q.weight"):
-            weight = weight.map(lambda a: unpermute_qk(a, n_head))
-        elif t.name.endswith("attn_k.weight"):
-            weight = weight.map(lambda a: unpermute_qk(a, n_head_kv))
-        out[name] = weight.map(np.ascontiguousarray)
-    return out

@@ -62,12 +62,14 @@ class Tokenizer:
     Args:
         path: checkpoint folder holding ``tokenizer.json`` and, optionally,
             ``tokenizer_config.json``.
+        chat_template: a Jinja chat template used instead of the checkpoint's
+            (``--chat-template``); None keeps the checkpoint's, if any.
 
     Raises:
         FileNotFoundError: no ``tokenizer.json``.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, chat_template: str | None = None) -> None:
         path = Path(path)
         self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
         # A twin that encodes special-token strings as plain text (message
@@ -79,12 +81,17 @@ class Tokenizer:
             json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {})
         self.bos_token: str | None = _token_content(self._config.get("bos_token"))
         self.eos_token: str | None = _token_content(self._config.get("eos_token"))
-        self.chat_template: str | None = self._config.get("chat_template")
+        self.chat_template: str | None = chat_template or self._config.get("chat_template")
         self.add_bos_token: bool = bool(self._config.get("add_bos_token", False))
         self._max_token_bytes: int | None = None
         self._min_tokens_per_message: int | None = None
         self._special_ids = frozenset(
             i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
+        self._added_ids = frozenset(self._tok.get_added_tokens_decoder())
+        #: SentencePiece-style vocabulary (``"▁"`` for a space, ``<0xAB>``
+        #: byte-fallback pieces; ``gguf_tokenizer.build_spm_tokenizer``)
+        #: rather than GPT-2's byte-level alphabet.
+        self._spm = bool(getattr(self._tok.model, "byte_fallback", False))
 
     # ------------------------------------------------------------------ properties
 
@@ -247,6 +254,13 @@ class Tokenizer:
             raise ValueError(f"token id {token_id} is out of range (vocab size {self.vocab_size})")
         if token_id in self._special_ids:
             return token.encode("utf-8")
+        if self._spm:
+            if token_id in self._added_ids:
+                return token.encode("utf-8")
+            match = _BYTE_PIECE.fullmatch(token)
+            if match is not None:
+                return bytes([int(match.group(1), 16)])
+            return token.replace("\u2581", " ").encode("utf-8")
         table = _byte_decoder()
         try:
             return bytes(table[ch] for ch in token)
@@ -273,7 +287,7 @@ class Tokenizer:
                 or it called ``raise_exception``.
         """
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
+            raise ValueError(NO_CHAT_TEMPLATE)
         try:
             template = _compile_template(self.chat_template)
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
@@ -283,6 +297,16 @@ class Tokenizer:
             raise ValueError(f"unsafe chat template: {exc}") from exc
         except TemplateError as exc:
             raise ValueError(f"chat template error: {exc}") from exc
+
+
+#: Why a chat cannot be rendered for a model without a template: the same
+#: words in every refusal (``kvserve.api.serving`` answers 400 with them).
+NO_CHAT_TEMPLATE = ("this model has no chat template (none in its tokenizer_config.json or "
+                    "GGUF); start the server with --chat-template PATH to give one, or use "
+                    "/v1/completions with a plain prompt")
+
+#: A SentencePiece byte-fallback piece, ``<0x0A>``.
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _inside(offset: int, starts: list[int], ends: list[int]) -> bool:

@@ -20,9 +20,9 @@ from tiny_llama import SPECS, load_tiny, write_byte_tokenizer
 
 from kvserve.cpu.ops import CpuOps
 from kvserve.model.default_model import _BLOCK_NAMES, _GLOBAL_NAMES, permute_qk, unpermute_qk
-from kvserve.model.ggml_blocks import BlockQuantizedWeight
+from kvserve.model.ggml_blocks import BlockQuantizedWeight, dequantize
 from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import find_gguf, load_gguf_blocks
+from kvserve.model.loader import REQUANTIZED_BLOCKS_FILE, find_gguf, load_gguf_blocks
 
 #: GGUF type per HF projection: both 4-bit kinds, and Q8_0 for the tables.
 TYPES = {"q_proj": "Q4_1", "k_proj": "Q4_1", "v_proj": "Q4_1", "o_proj": "Q4_0",
@@ -92,7 +92,7 @@ def test_find_gguf_needs_exactly_one_file(tmp_path):
         find_gguf(tmp_path)
 
 
-def test_a_type_kvserve_does_not_serve_is_refused(tmp_path):
+def test_a_type_the_kernels_do_not_run_is_requantized_to_q8_0(tmp_path):
     config, weights = load_tiny(tmp_path, SPECS[0])
     writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
     w = weights["model.layers.0.mlp.down_proj.weight"]
@@ -102,8 +102,19 @@ def test_a_type_kvserve_does_not_serve_is_refused(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="is Q5_0; --quantization q4 serves"):
-        load_gguf_blocks(tmp_path, config)
+    blocks = load_gguf_blocks(tmp_path, config)
+    weight = blocks["model.layers.0.mlp.down_proj.weight"]
+    assert weight.ggml_type == "Q8_0<Q5_0" and weight.kind == "q8"
+    held = gguf_dequantize(gguf_quantize(w, qtype), qtype).reshape(w.shape)  # the file's values
+    step = np.abs(held).reshape(w.shape[0], -1, 32).max(axis=2, keepdims=True) / 127
+    error = np.abs(dequantize(weight) - held).reshape(w.shape[0], -1, 32)
+    # ggml's Q8_0: half a step, and the float16 rounding of the stored scale
+    # (relative 2**-11, times |q| <= 127)
+    assert (error <= step * (0.5 + 127 / 2048) + 1e-7).all()
+    # kept for the next start: the same blocks without reading the GGUF
+    assert (tmp_path / REQUANTIZED_BLOCKS_FILE).is_file()
+    again = load_gguf_blocks(tmp_path, config)["model.layers.0.mlp.down_proj.weight"]
+    assert np.array_equal(again.qs, weight.qs) and np.array_equal(again.d, weight.d)
 
 
 def test_serving_q4_without_a_gguf_is_one_clear_line(tmp_path):

@@ -1,0 +1,88 @@
+"""``--chat-template`` (vLLM's flag) and the 400 for a model without a chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvserve.cli import build_parser, load_chat_template
+from kvserve.model.gguf_tokenizer import build_bpe_tokenizer
+from kvserve.model.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.anyio
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+COMPLETION = {"prompt": "Once upon", "max_tokens": 4}
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+
+
+async def test_chat_without_template_is_400_naming_the_flag(client, engine) -> None:
+    engine.tokenizer.chat_template = None
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "no chat template" in error["message"]
+    assert "--chat-template" in error["message"]
+    assert error["param"] == "messages" and error["type"] == "invalid_request_error"
+    assert engine.requests == []  # refused before the engine saw it
+
+
+async def test_completions_work_without_template(client, engine) -> None:
+    engine.tokenizer.chat_template = None
+    r = await client.post("/v1/completions", json=COMPLETION)
+    assert r.status_code == 200
+    assert engine.requests[0].prompt == "Once upon"
+
+
+async def test_chat_with_template_is_served(client, engine) -> None:
+    engine.tokenizer.chat_template = TEMPLATE
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200
+
+
+def _tokenizer_folder(folder: Path, template: str | None) -> Path:
+    alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)] + ["Ġ", "Ċ"]
+    tokens = ["<|endoftext|>", "<s>", "</s>", *alphabet]
+    build_bpe_tokenizer(tokens, [], [3, 3, 3] + [1] * len(alphabet)).save(
+        str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>"}
+    if template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_tokenizer_template_override(tmp_path: Path) -> None:
+    folder = _tokenizer_folder(tmp_path, "{{ 'checkpoint' }}")
+    assert Tokenizer(folder).apply_chat_template([]) == "checkpoint"
+    tok = Tokenizer(folder, chat_template=TEMPLATE)
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<user>x"
+
+
+def test_tokenizer_without_template_says_which_flag(tmp_path: Path) -> None:
+    tok = Tokenizer(_tokenizer_folder(tmp_path, None))
+    assert tok.chat_template is None
+    with pytest.raises(ValueError, match="--chat-template"):
+        tok.encode_chat([{"role": "user", "content": "x"}])
+    assert Tokenizer(tmp_path, chat_template=TEMPLATE).chat_template == TEMPLATE
+
+
+def test_load_chat_template_file_text_and_errors(tmp_path: Path) -> None:
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE, encoding="utf-8")
+    assert load_chat_template(str(path)) == TEMPLATE
+    assert load_chat_template(TEMPLATE) == TEMPLATE  # the text itself, as vLLM allows
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="no such file, and not a Jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_flag_parses_for_serve_and_generate() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--chat-template", "t.jinja"]).chat_template == "t.jinja"
+    assert parser.parse_args(["generate", "hi", "--chat-template", "x"]).chat_template == "x"
+    assert parser.parse_args(["serve"]).chat_template is None
