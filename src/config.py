@@ -20,6 +20,11 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECAS
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "raw_logits")
 #: Weight schemes (``EngineConfig.quantization``, ``kvserve.model.quantization``).
 QUANTIZATIONS = ("none", "int8", "w8a8", "q4", "w4a8")
+#: ``ModelConfig.layer_types`` values (Hugging Face's names).
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+#: ``ModelConfig.hidden_activation`` values: SwiGLU (Llama) and GeGLU with
+#: PyTorch's tanh-approximated GELU (Gemma 3).
+HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
           "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
 
@@ -50,6 +55,31 @@ class ModelConfig:
 
     Field names follow Hugging Face ``LlamaConfig``; ``eos_token_ids`` is a
     tuple because some checkpoints list several.
+
+    Gemma 3 (``Gemma3TextConfig``) adds the fields after ``eos_token_ids``;
+    their defaults are the Llama architecture's, so a Llama config sets none:
+
+    - ``layer_types``: ``"full_attention"`` or ``"sliding_attention"`` per
+      layer; empty (the default) means every layer full.
+    - ``sliding_window``: tokens a sliding layer sees: the key at position j
+      is visible to the query at position p iff ``0 <= p - j < sliding_window``.
+    - ``rope_local_base_freq``: RoPE base of the sliding layers (None:
+      ``rope_theta``); ``rope_theta`` is the full layers' base.
+    - ``query_pre_attn_scalar``: attention scale ``query_pre_attn_scalar ** -0.5``
+      (None: ``head_dim ** -0.5``); see :attr:`attention_scale`.
+    - ``hidden_activation``: ``"silu"`` (SwiGLU) or ``"gelu_pytorch_tanh"`` (GeGLU).
+    - ``norm_offset``: every RMSNorm multiplies by ``norm_offset + w``
+      (Gemma's ``1 + w``: 1.0; Llama: 0.0).
+    - ``embedding_multiplier``: the embedding rows are multiplied by it, in
+      float32 (Gemma: ``sqrt(hidden_size)``; Llama: 1.0).
+    - ``qk_norm``: RMSNorm of each query and key head (over ``head_dim``)
+      before RoPE; ``sandwich_norms``: RMSNorm of the attention output and
+      of the MLP output before their residual adds, and a separate norm
+      before the MLP (Gemma's four norms per layer).
+
+    Raises ValueError for ``layer_types`` of another length than
+    ``num_hidden_layers`` or with another value, a sliding layer without a
+    positive ``sliding_window``, or an unknown ``hidden_activation``.
     """
 
     name: str
@@ -68,6 +98,47 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_local_base_freq: float | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_activation: str = "silu"
+    norm_offset: float = 0.0
+    embedding_multiplier: float = 1.0
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+
+    def __post_init__(self) -> None:
+        types = tuple(self.layer_types) or (FULL_ATTENTION,) * self.num_hidden_layers
+        object.__setattr__(self, "layer_types", types)
+        if len(types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for "
+                             f"{self.num_hidden_layers} layers")
+        unknown = sorted(set(types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown:
+            raise ValueError(f"layer_types: unknown {unknown}; known: "
+                             f"{FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}")
+        if SLIDING_ATTENTION in types and not (self.sliding_window or 0) > 0:
+            raise ValueError("sliding_attention layers need sliding_window > 0, got "
+                             f"{self.sliding_window}")
+        if self.hidden_activation not in HIDDEN_ACTIVATIONS:
+            raise ValueError(f"hidden_activation must be one of {HIDDEN_ACTIVATIONS}, got "
+                             f"{self.hidden_activation!r}")
+
+    @property
+    def attention_scale(self) -> float:
+        """Multiplier of q.k: ``query_pre_attn_scalar ** -0.5`` when set
+        (Gemma 3), else ``head_dim ** -0.5``."""
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5
+        return self.head_dim ** -0.5
+
+    def layer_window(self, layer: int) -> int:
+        """Tokens layer ``layer`` attends to: ``sliding_window`` on a sliding
+        layer, 0 (the whole causal context) on a full one."""
+        if self.layer_types[layer] == SLIDING_ATTENTION:
+            return int(self.sliding_window)
+        return 0
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         """Bytes of K and V for one token over all layers:
@@ -354,6 +425,10 @@ class EngineConfig:
     #: top_p 1) or a folder holding that file, whose ``max_new_tokens`` then
     #: also caps every request (``kvserve.model.generation_config``).
     generation_config: str = "auto"
+    #: ``--chat-template``: a Jinja chat template (its text) used instead of
+    #: the checkpoint's; None keeps the checkpoint's (a model with none
+    #: answers chat requests with a 400).
+    chat_template: str | None = None
     #: Test-only faults (``kvserve.testing.faults.FaultInjection``); None injects none.
     fault_injection: FaultInjection | None = None
 

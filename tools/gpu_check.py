@@ -60,9 +60,12 @@ shows ``"status": "running"``:
    runs on the engine already up (the eager one after section 6: CUDA graphs
    are captured for decode batch sizes only; the JSON names it).
 8. ``kernels``: every ``CudaOps`` kernel (embedding, rms_norm,
-   fused_add_rms_norm, rotary_embedding, silu_and_mul, write_kv,
-   paged_attention as decode / split-K decode / prefill over a cached prefix
-   / mixed batch at GQA ratios 1, 3 and 8, linear through CuPy's cuBLAS,
+   fused_add_rms_norm, rotary_embedding, silu_and_mul, gelu_tanh_and_mul,
+   write_kv, paged_attention as decode / split-K decode / prefill over a
+   cached prefix / mixed batch at GQA ratios 1, 3 and 8, each form also
+   with a sliding window (``window=``, a quarter of the longest context;
+   the cache slots before each sequence's window are NaN, so a kernel that
+   reads them fails), linear through CuPy's cuBLAS,
    linear_int8 at GEMV and tiled row counts) on random inputs at model sizes
    (hidden 576 and 2048, head_dim 64 and 128, contexts up to 4096), float32
    and float16, against float64 NumPy references written here.  Error:
@@ -496,9 +499,10 @@ def ref_rope(x: np.ndarray, positions: np.ndarray, table: np.ndarray
 
 
 def ref_attention(q: np.ndarray, seqs: list[tuple[int, int]], qsl: np.ndarray,
-                  dense: list[tuple[np.ndarray, np.ndarray]], scale: float
+                  dense: list[tuple[np.ndarray, np.ndarray]], scale: float, window: int = 0
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Causal float64 attention of each new token over its sequence's context.
+    """Causal float64 attention of each new token over its sequence's context
+    (with ``window`` > 0, the token at position p over keys p - window < j <= p).
 
     q: [T, nh, hd]; seqs[s] = (cached, new); dense[s] = (K, V) [ctx, nkv, hd].
     Query head h reads KV head h // (nh // nkv).  Returns (out, w @ |V|), both
@@ -513,7 +517,10 @@ def ref_attention(q: np.ndarray, seqs: list[tuple[int, int]], qsl: np.ndarray,
         group, a = nh // nkv, int(qsl[s])
         qs = f64(q[a:a + new]).reshape(new, nkv, group, hd)
         rows = cached + np.arange(new).repeat(group)  # position of each (token, head) row
-        hidden = np.arange(cached + new)[None, :] > rows[:, None]  # [new * group, ctx]
+        keys = np.arange(cached + new)[None, :]
+        hidden = keys > rows[:, None]  # [new * group, ctx]
+        if window:
+            hidden |= keys <= rows[:, None] - window
         for g in range(nkv):
             kg, vg = np.ascontiguousarray(k[:, g]), np.ascontiguousarray(v[:, g])  # [ctx, hd]
             logits = qs[:, g].reshape(new * group, hd) @ kg.T * scale
@@ -631,12 +638,25 @@ def row_cases(bench: KernelBench, ops: Any, dtype: Any, m: Shape, T: int, vocab:
                 lambda out: (rel_err(host(out), ref), float_bound(dtype), 1.0, ""),
                 x.nbytes * 3 // 2)
 
+    def gelu_tanh_and_mul():
+        x = randn(rng, (T, 2 * m.intermediate), dtype, 2.0)
+        dx = to(x)
+        a, b = f64(x)[:, :m.intermediate], f64(x)[:, m.intermediate:]
+        ref = 0.5 * a * (1 + np.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a**3))) * b
+        return (lambda: ops.gelu_tanh_and_mul(dx),
+                lambda out: (rel_err(host(out), ref), float_bound(dtype), 1.0,
+                             "PyTorch gelu(approximate='tanh')"),
+                x.nbytes * 3 // 2)
+
     bench.measure("embedding", dtype, f"{tag} V={vocab}", embedding)
     bench.measure("rms_norm", dtype, tag, rms_norm)
     bench.measure("fused_add_rms_norm", dtype, tag, fused_add_rms_norm)
     bench.measure("rotary_embedding", dtype, f"{tag} heads={m.heads}/{m.kv_heads}x{m.head_dim}",
                   rotary)
     bench.measure("silu_and_mul", dtype, f"{m.name} T={T} I={m.intermediate}", silu_and_mul)
+    if hasattr(ops, "gelu_tanh_and_mul"):
+        bench.measure("gelu_tanh_and_mul", dtype, f"{m.name} T={T} I={m.intermediate}",
+                      gelu_tanh_and_mul)
     bench.measure("write_kv", dtype, f"{m.name} T={T} kv={m.kv_heads}x{m.head_dim}",
                   lambda: write_kv_setup(bench.rng, ops, dtype, m, T))
 
@@ -704,11 +724,15 @@ def paged_batch(rng: np.random.Generator, seqs: list[tuple[int, int]], nh: int, 
 
 
 def attention_setup(rng: np.random.Generator, ops: Any, dtype: Any, m: Shape,
-                    seqs: list[tuple[int, int]], pad: int, bs: int) -> tuple:
+                    seqs: list[tuple[int, int]], pad: int, bs: int, window: int = 0) -> tuple:
     q, cache, bt, sl, qsl, dense = paged_batch(rng, seqs, m.heads, m.kv_heads, m.head_dim, bs,
                                                dtype, pad)
+    if window:  # the slots before each sequence's window: never to be read
+        for s, (c, _) in enumerate(seqs):
+            pos = np.arange(max(0, c + 1 - window))
+            cache[bt[s, pos // bs], :, pos % bs] = np.nan
     scale = m.head_dim ** -0.5
-    ref, terms = ref_attention(q, seqs, qsl, dense, scale)
+    ref, terms = ref_attention(q, seqs, qsl, dense, scale, window)
     kap = kappa(terms, ref)
     del dense
     to = ops.to_device
@@ -718,12 +742,14 @@ def attention_setup(rng: np.random.Generator, ops: Any, dtype: Any, m: Shape,
 
     def check(out):
         out = ops.to_numpy(out)
-        note = f"{len(seqs)} seqs, contexts {min(sl)}-{max(sl)}"
+        note = f"{len(seqs)} seqs, contexts {min(sl)}-{max(sl)}" + (
+            f", window {window}" if window else "")
         if pad and np.any(out[int(qsl[-1]):] != 0):
             return math.inf, float_bound(dtype, kap), kap, note + "; padding rows NOT zero"
         return rel_err(out, ref), float_bound(dtype, kap), kap, note + (
             f"; {pad} padding rows zero" if pad else "")
-    return lambda: ops.paged_attention(*args), check, nbytes
+    windowed = {"window": window} if window else {}
+    return lambda: ops.paged_attention(*args, **windowed), check, nbytes
 
 
 def matmul_cases(bench: KernelBench, ops: Any, dtype: Any, m: Shape, s: Sizes) -> None:
@@ -810,12 +836,16 @@ def kernel_section(check: Check) -> dict:
 
 def attention_group(bench: KernelBench, ops: Any, dtype: Any, m: Shape, s: Sizes) -> None:
     ratio = m.heads // m.kv_heads
+    window = max(1, s.max_ctx // 4)  # sliding window (Gemma 3's local layers)
     for form, (seqs, pad) in attention_forms(bench.rng, s).items():
         tokens, longest = sum(n for _, n in seqs) + pad, max(c + n for c, n in seqs)
-        bench.measure(f"paged_attention {form} gqa{ratio}", dtype,
-                      f"{m.name} {m.heads}/{m.kv_heads}x{m.head_dim} T={tokens} ctx<={longest}",
-                      lambda seqs=seqs, pad=pad: attention_setup(bench.rng, ops, dtype, m, seqs,
-                                                                 pad, s.block_size))
+        for w in (0, window):
+            bench.measure(f"paged_attention {form} gqa{ratio}" + (f" window={w}" if w else ""),
+                          dtype,
+                          f"{m.name} {m.heads}/{m.kv_heads}x{m.head_dim} T={tokens} "
+                          f"ctx<={longest}",
+                          lambda seqs=seqs, pad=pad, w=w: attention_setup(
+                              bench.rng, ops, dtype, m, seqs, pad, s.block_size, w))
 
 
 # --------------------------------------------------------------------------- sections

@@ -163,7 +163,7 @@ def _rope_kv_attend(s, kvh, qkv, positions, rope, kv_cache, slots, block_tables,
             q2 = qkv[s, qoff + half + i]
             q[s, h, i] = q1 * c - q2 * sn
             q[s, h, half + i] = q2 * c + q1 * sn
-    _attend_tile(q, kv_cache, block_tables[s], scale, s, 1, seq_lens[s] - 1, kvh, group, att)
+    _attend_tile(q, kv_cache, block_tables[s], scale, s, 1, seq_lens[s] - 1, kvh, group, att, 0)
 
 
 @njit(nogil=True, cache=True, parallel=True)

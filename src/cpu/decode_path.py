@@ -12,6 +12,9 @@ and returns ``(x, residual)``, or None where the op-by-op path must run:
   path moves to BLAS sgemm there) or ``BLOCK_MAX_SEQS`` (GGUF blocks);
 - a layer weight other than float32 dense or a q4 / q8 ``BlockQuantizedWeight``
   (int8, w8a8), or shapes that are not the model's;
+- an architecture the fused kernel does not compute (:func:`fused_architecture`:
+  Gemma 3's sliding windows, q/k norms, sandwich norms or GeGLU);
+- ``attn`` given per KV-cache group (a sequence of metadata) rather than one;
 - metadata the op path's kernels would reject (a position outside the RoPE
   table, a slot beyond the cache, a block id out of range, a block table
   too narrow): the op path then raises its own error.
@@ -50,9 +53,20 @@ _I8 = np.zeros((1, 1), np.int8)
 _NO_BIAS = np.zeros(0, np.float32)
 
 
+def fused_architecture(config: Any) -> bool:
+    """True when the fused kernel computes ``config`` 's layers: Llama's
+    (every layer full attention, SwiGLU, two norms a layer, no q/k norm).
+    The attention scale, the embedding multiplier (applied before the
+    layers) and a norm offset (folded into the weights) do not matter."""
+    return (all(t == "full_attention" for t in getattr(config, "layer_types", ()))
+            and getattr(config, "hidden_activation", "silu") == "silu"
+            and not getattr(config, "qk_norm", False)
+            and not getattr(config, "sandwich_norms", False))
+
+
 class _Prepared:
     """A model's layers as kernel tuples (``layers``: typed List), or
-    ``layers`` None when some weight has no fused form."""
+    ``layers`` None when some weight, or the architecture, has no fused form."""
 
     def __init__(self, model: Any) -> None:
         self.layer_objs = list(model.layers)
@@ -66,11 +80,13 @@ class _Prepared:
         self.eps = float(cfg.rms_norm_eps)
         self.act_q8 = False  # set by _weight: a block weight with Q8 activations
         self.scale = np.float32(model.scale)
+        self.layers = None
+        if not fused_architecture(cfg):
+            return
         tuples = [self._layer(layer, cfg) for layer in self.layer_objs]
         ok = (all(t is not None for t in tuples) and len(tuples) > 0
               and _f32(self.rope, 2) and self.rope.shape[1] == self.hd and self.hd % 2 == 0
               and self.nh % self.nkv == 0)
-        self.layers = None
         if ok:
             self.layers = dl.typed_list(tuples)
 
@@ -182,7 +198,7 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
         buffer, updated in place, as on the op path).
     """
     mode = os.environ.get(ENV, "1")
-    if mode == "0":
+    if mode == "0" or not hasattr(attn, "seq_lens"):
         return None
     sl = np.asarray(attn.seq_lens)
     S = sl.shape[0] if sl.ndim == 1 else -1

@@ -152,6 +152,27 @@ def silu_and_mul_kernel(x, out):
 
 
 @njit(nogil=True, cache=True)
+def gelu_tanh_and_mul_kernel(x, out):
+    """out = gelu_tanh(x[:, :I]) * x[:, I:] (GeGLU), with PyTorch's
+    ``gelu(approximate="tanh")``: 0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3))).
+
+    x: float32[T, 2*I]; out: float32[T, I]. float32 arithmetic, as PyTorch's
+    CPU kernel for float32; for |a| large the cube overflows to +-inf, tanh
+    gives +-1 and the result is a or 0, as in float64.
+    """
+    T, I = out.shape
+    beta = np.float32(np.sqrt(2.0 / np.pi))
+    kappa = np.float32(0.044715)
+    half = np.float32(0.5)
+    one = np.float32(1.0)
+    for t in range(T):
+        for i in range(I):
+            a = x[t, i]
+            inner = beta * (a + kappa * a * a * a)
+            out[t, i] = half * a * (one + np.tanh(inner)) * x[t, I + i]
+
+
+@njit(nogil=True, cache=True)
 def write_kv_kernel(k, v, kv_cache, slot_mapping):
     """Scatter new K/V rows into the paged cache.
 
@@ -292,11 +313,14 @@ def f32_gemv_parallel(x, w, out, n_chunks, per_row):
 
 
 @njit(nogil=True, cache=True, fastmath=_ATTN_FASTMATH)
-def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out):
+def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out, window):
     """Causal attention of queries q[t0:t0+nq] (heads of kv group ``kvh``).
 
     The queries are at consecutive positions pos0..pos0+nq-1 and attend to
-    positions 0..own position, read from the blocks listed in block_table.
+    positions 0..own position (``window`` > 0: own position - window + 1 ..
+    own position), read from the blocks listed in block_table. A key before
+    a row's window is never read, and neither is a block before the first
+    query's window (its block-table entry may be stale).
     Online (streaming) softmax over key blocks: per row a running max m, a
     running denominator l and an unnormalized accumulator acc.
     """
@@ -315,19 +339,30 @@ def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out)
 
     pos_last = pos0 + nq - 1
     n_blocks = pos_last // bs + 1
-    for b in range(n_blocks):
+    first_key = 0  # the first query's first visible key
+    if window > 0 and pos0 - window + 1 > 0:
+        first_key = pos0 - window + 1
+    for b in range(first_key // bs, n_blocks):
         pb = block_table[b]
         kstart = b * bs
         nk = min(bs, pos_last + 1 - kstart)
         for r in range(R):
-            # number of keys of this block visible to row r (causal mask)
+            # keys j0 .. lim - 1 of this block are visible to row r (causal
+            # mask, and the sliding window)
             lim = pos0 + r // group - kstart + 1
             if lim > nk:
                 lim = nk
             if lim <= 0:
                 continue
+            j0 = 0
+            if window > 0:
+                j0 = pos0 + r // group - window + 1 - kstart
+                if j0 < 0:
+                    j0 = 0
+                if j0 >= lim:
+                    continue
             bmax = -np.inf
-            for j in range(lim):
+            for j in range(j0, lim):
                 s = np.float32(0.0)
                 for d in range(hd):
                     s += qbuf[r, d] * kv_cache[pb, 0, j, kvh, d]
@@ -338,7 +373,7 @@ def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out)
             m_new = m_old if m_old > bmax else bmax
             alpha = np.exp(m_old - m_new)  # exp(-inf) = 0 on the first block
             psum = np.float32(0.0)
-            for j in range(lim):
+            for j in range(j0, lim):
                 e = np.exp(p[j] - m_new)
                 p[j] = e
                 psum += e
@@ -346,7 +381,7 @@ def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out)
             m[r] = m_new
             for d in range(hd):
                 acc[r, d] *= alpha
-            for j in range(lim):
+            for j in range(j0, lim):
                 pj = p[j]
                 for d in range(hd):
                     acc[r, d] += pj * kv_cache[pb, 1, j, kvh, d]
@@ -360,7 +395,7 @@ def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out)
 
 @njit(nogil=True, cache=True, parallel=True)
 def paged_attention_kernel(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, tile_q,
-                           n_threads, out):
+                           n_threads, out, window=0):
     """Causal attention over the paged KV cache for a flat varlen batch.
 
     q: float32[T, num_heads, head_dim]; kv_cache: float32[num_blocks, 2,
@@ -370,33 +405,38 @@ def paged_attention_kernel(q, kv_cache, block_tables, seq_lens, query_start_loc,
     numba.get_num_threads() of the caller (passed in: reading it inside the
     kernel would stop Numba from caching it); out: float32[T,
     num_heads, head_dim], must be zero-filled by the caller (rows of tokens
-    owned by no sequence are left untouched).
+    owned by no sequence are left untouched); window: int, 0 = full causal
+    attention, else each query sees its last ``window`` positions only
+    (``kvserve.model.ops``: blocks before a sequence's window are neither
+    read nor checked).
 
     GQA: query head h reads kv head h // (num_heads // num_kv_heads).  Work is
     split into (query tile, kv head) items, dealt longest-first to the Numba
     threads so causal prefill tiles balance.
     Raises ValueError on inconsistent metadata or block ids out of range.
     """
-    plan = _plan_tiles(q, kv_cache, block_tables, seq_lens, query_start_loc, tile_q)
+    plan = _plan_tiles(q, kv_cache, block_tables, seq_lens, query_start_loc, tile_q, window)
     n_workers = max(1, min(n_threads, plan[4].shape[0] * kv_cache.shape[3]))
     for w in prange(n_workers):
-        _attend_share(w, n_workers, plan, q, kv_cache, block_tables, scale, out)
+        _attend_share(w, n_workers, plan, q, kv_cache, block_tables, scale, out, window)
 
 
 @njit(nogil=True, cache=True)
 def paged_attention_kernel_serial(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                                  tile_q, out):
+                                  tile_q, out, window=0):
     """:func:`paged_attention_kernel` on the calling thread alone: no Numba
     parallel region, whose entry (50-120 us) costs more than a few decode
     rows' attention. Same arguments but ``n_threads``."""
-    plan = _plan_tiles(q, kv_cache, block_tables, seq_lens, query_start_loc, tile_q)
-    _attend_share(0, 1, plan, q, kv_cache, block_tables, scale, out)
+    plan = _plan_tiles(q, kv_cache, block_tables, seq_lens, query_start_loc, tile_q, window)
+    _attend_share(0, 1, plan, q, kv_cache, block_tables, scale, out, window)
 
 
 @njit(nogil=True, cache=True)
-def _plan_tiles(q, kv_cache, block_tables, seq_lens, query_start_loc, tile_q):
+def _plan_tiles(q, kv_cache, block_tables, seq_lens, query_start_loc, tile_q, window):
     """Validate the metadata and cut it into query tiles: ``(tile_seq, tile_t0,
-    tile_nq, tile_pos0, order)``, ``order`` the tiles longest first."""
+    tile_nq, tile_pos0, order)``, ``order`` the tiles longest first. With a
+    ``window`` > 0 the blocks before a sequence's first window are not
+    checked (they are not read) and a tile's cost counts its window only."""
     T = q.shape[0]
     nb = kv_cache.shape[0]
     bs = kv_cache.shape[2]
@@ -419,7 +459,10 @@ def _plan_tiles(q, kv_cache, block_tables, seq_lens, query_start_loc, tile_q):
         n_blk = (L + bs - 1) // bs
         if n_blk > max_blocks:
             raise ValueError("paged_attention: block_tables too narrow for seq_lens")
-        for b in range(n_blk):
+        b_lo = 0
+        if window > 0 and L - n_new - window + 1 > 0:
+            b_lo = (L - n_new - window + 1) // bs
+        for b in range(b_lo, n_blk):
             pb = block_tables[s, b]
             if pb < 0 or pb >= nb:
                 raise ValueError("paged_attention: block id out of range of the KV cache")
@@ -443,14 +486,14 @@ def _plan_tiles(q, kv_cache, block_tables, seq_lens, query_start_loc, tile_q):
             tile_t0[i] = t
             tile_nq[i] = nq
             tile_pos0[i] = first_pos + (t - q0)
-            cost[i] = nq * (tile_pos0[i] + nq)
+            cost[i] = nq * ((tile_pos0[i] if window <= 0 else min(tile_pos0[i], window)) + nq)
             i += 1
             t += nq
     return tile_seq, tile_t0, tile_nq, tile_pos0, np.argsort(-cost)
 
 
 @njit(nogil=True, cache=True)
-def _attend_share(w, n_workers, plan, q, kv_cache, block_tables, scale, out):
+def _attend_share(w, n_workers, plan, q, kv_cache, block_tables, scale, out, window):
     """Worker w's share of the (tile, kv head) items, dealt longest first in
     snake order (Numba's scheduler splits a prange into equal contiguous
     chunks, which would give all the long causal tiles to one thread)."""
@@ -469,5 +512,5 @@ def _attend_share(w, n_workers, plan, q, kv_cache, block_tables, scale, out):
             ti = order[k // nkv]
             kvh = k % nkv
             _attend_tile(q, kv_cache, block_tables[tile_seq[ti]], scale, tile_t0[ti],
-                         tile_nq[ti], tile_pos0[ti], kvh, group, out)
+                         tile_nq[ti], tile_pos0[ti], kvh, group, out, window)
         k += 1

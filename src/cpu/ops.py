@@ -48,8 +48,9 @@ ATTENTION_PARALLEL_MIN_MACS = 1 << 16 if kernels.CHEAP_PARALLEL_REGIONS else 1 <
 
 
 def _check_prefill_metadata(bt: np.ndarray, sl: np.ndarray, qsl: np.ndarray, T: int,
-                            num_blocks: int, block_size: int) -> None:
-    """What the Numba kernel checks, for sequences that bypass it.
+                            num_blocks: int, block_size: int, window: int = 0) -> None:
+    """What the Numba kernel checks, for sequences that bypass it (with a
+    ``window`` > 0, not the blocks before a sequence's first window).
 
     Raises ValueError: query_start_loc decreasing or outside [0, T], a
     sequence with fewer context than new tokens, a block table too narrow,
@@ -65,10 +66,24 @@ def _check_prefill_metadata(bt: np.ndarray, sl: np.ndarray, qsl: np.ndarray, T: 
     if (needed[active] > bt.shape[1]).any():
         raise ValueError("paged_attention: block_tables too narrow for seq_lens")
     used = np.arange(bt.shape[1])[None, :] < needed[:, None]
+    if window > 0:
+        first_key = np.maximum(sl.astype(np.int64) - n_new - window + 1, 0)
+        used &= np.arange(bt.shape[1])[None, :] >= (first_key // block_size)[:, None]
     ids = bt[used & active[:, None]]
     if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
         raise ValueError("paged_attention: block id out of range of the KV cache")
 
+
+
+def _gated(x: np.ndarray, name: str, kernel: Any) -> np.ndarray:
+    """A gated activation: ``kernel(x, out)`` with x float32[T, 2I] and a new
+    out float32[T, I]. Raises ValueError for an odd last dimension."""
+    x = _f32(x, f"{name} x", 2)
+    if x.shape[1] % 2:
+        raise ValueError(f"{name}: last dimension must be even, got {x.shape}")
+    out = np.empty((x.shape[0], x.shape[1] // 2), dtype=_F32)
+    kernel(x, out)
+    return out
 
 def _f32(a: np.ndarray, name: str, ndim: int) -> np.ndarray:
     """Read-only use: C-contiguous, writeable float32 (copies only when needed).
@@ -326,12 +341,13 @@ class CpuOps:
 
     def silu_and_mul(self, x: np.ndarray) -> np.ndarray:
         """``silu(x[:, :I]) * x[:, I:]``: float32[T, 2I] -> new float32[T, I]."""
-        x = _f32(x, "silu_and_mul x", 2)
-        if x.shape[1] % 2:
-            raise ValueError(f"silu_and_mul: last dimension must be even, got {x.shape}")
-        out = np.empty((x.shape[0], x.shape[1] // 2), dtype=_F32)
-        kernels.silu_and_mul_kernel(x, out)
-        return out
+        return _gated(x, "silu_and_mul", kernels.silu_and_mul_kernel)
+
+    def gelu_tanh_and_mul(self, x: np.ndarray) -> np.ndarray:
+        """``gelu_tanh(x[:, :I]) * x[:, I:]`` (GeGLU; ``Ops.gelu_tanh_and_mul``):
+        float32[T, 2I] -> new float32[T, I]. Raises ValueError for an odd
+        last dimension."""
+        return _gated(x, "gelu_tanh_and_mul", kernels.gelu_tanh_and_mul_kernel)
 
     def decode_layers(self, hidden: np.ndarray, model: Any, positions: np.ndarray, attn: Any,
                       kv_caches: list) -> tuple[np.ndarray, np.ndarray] | None:
@@ -372,9 +388,11 @@ class CpuOps:
 
     def paged_attention(self, q: np.ndarray, kv_cache: np.ndarray, block_tables: np.ndarray,
                         seq_lens: np.ndarray, query_start_loc: np.ndarray,
-                        scale: float, plan: Any = None) -> np.ndarray:
+                        scale: float, plan: Any = None, window: int = 0) -> np.ndarray:
         """Causal attention over the paged cache (see :meth:`Ops.paged_attention`;
-        ``plan`` is not needed here: the kernels read the metadata directly).
+        ``plan`` is not needed here: the kernels read the metadata directly;
+        ``window`` > 0: each query sees its last ``window`` positions, and
+        the blocks before a sequence's window are neither read nor checked).
 
         q: float32[T, nh, hd]; kv_cache: float32[num_blocks, 2, block_size,
         nkv, hd]; block_tables: int32[S, max_blocks]; seq_lens: int32[S];
@@ -398,26 +416,29 @@ class CpuOps:
         if qsl.shape[0] != S + 1 or bt.shape[0] != S:
             raise ValueError(f"paged_attention: {S} seq_lens need query_start_loc of {S + 1} "
                              f"and block_tables of {S} rows, got {qsl.shape[0]} and {bt.shape[0]}")
+        window = int(window)
+        if window < 0:
+            raise ValueError(f"paged_attention: window must be >= 0, got {window}")
         out = np.zeros_like(qq)
         if not S:
             return out
         n_new = np.diff(qsl)
         long = n_new >= self.prefill_min_queries
         if not long.any():
-            self._attention_kernel(qq, kv_cache, bt, sl, qsl, scale, out)
+            self._attention_kernel(qq, kv_cache, bt, sl, qsl, scale, out, window)
             return out
-        _check_prefill_metadata(bt, sl, qsl, T, kv_cache.shape[0], kv_cache.shape[2])
+        _check_prefill_metadata(bt, sl, qsl, T, kv_cache.shape[0], kv_cache.shape[2], window)
         for s in np.flatnonzero(long):
             prefill_attention(qq, kv_cache, bt[s], int(sl[s]), int(qsl[s]), int(qsl[s + 1]),
-                              scale, out)
+                              scale, out, window=window)
         short = ~long & (n_new > 0)
         if short.any():
-            self._decode_subset(qq, kv_cache, bt, sl, qsl, short, scale, out)
+            self._decode_subset(qq, kv_cache, bt, sl, qsl, short, scale, out, window)
         return out
 
     def _decode_subset(self, q: np.ndarray, kv_cache: np.ndarray, bt: np.ndarray,
                        sl: np.ndarray, qsl: np.ndarray, subset: np.ndarray, scale: float,
-                       out: np.ndarray) -> None:
+                       out: np.ndarray, window: int = 0) -> None:
         """The Numba kernel on the sequences of bool[S] ``subset`` alone:
         their rows are gathered into a compact batch and the result scattered
         back into ``out``."""
@@ -428,25 +449,27 @@ class CpuOps:
         sub_out = np.zeros((len(rows),) + q.shape[1:], _F32)
         self._attention_kernel(np.ascontiguousarray(q[rows]), kv_cache,
                                np.ascontiguousarray(bt[seqs]), np.ascontiguousarray(sl[seqs]),
-                               sub_qsl, scale, sub_out)
+                               sub_qsl, scale, sub_out, window)
         out[rows] = sub_out
 
     def _attention_kernel(self, q: np.ndarray, kv_cache: np.ndarray, bt: np.ndarray,
-                          sl: np.ndarray, qsl: np.ndarray, scale: float, out: np.ndarray) -> None:
+                          sl: np.ndarray, qsl: np.ndarray, scale: float, out: np.ndarray,
+                          window: int = 0) -> None:
         """The Numba kernel: serial below ``ATTENTION_PARALLEL_MIN_MACS``
         (a parallel region costs more than that), else parallel, one caller
         at a time in the process: the workqueue threading layer aborts the
         process when two threads (two engines' workers) enter parallel
         regions at once."""
         threads = self._threads()
-        macs = int(np.dot(np.diff(qsl).astype(np.int64), sl)) * q.shape[1] * q.shape[2]
+        keys = sl if window <= 0 else np.minimum(sl, window)
+        macs = int(np.dot(np.diff(qsl).astype(np.int64), keys)) * q.shape[1] * q.shape[2]
         if threads == 1 or macs < ATTENTION_PARALLEL_MIN_MACS:
             kernels.paged_attention_kernel_serial(q, kv_cache, bt, sl, qsl, np.float32(scale),
-                                                  self.tile_q, out)
+                                                  self.tile_q, out, window)
             return
         with PARALLEL_REGION:
             kernels.paged_attention_kernel(q, kv_cache, bt, sl, qsl, np.float32(scale),
-                                           self.tile_q, threads, out)
+                                           self.tile_q, threads, out, window)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_dim: int) -> np.ndarray:
@@ -471,10 +494,10 @@ class CpuOps:
     def rope_kv_attention(self, qkv: np.ndarray, positions: np.ndarray,
                           cos_sin_cache: np.ndarray, kv_cache: np.ndarray, attn: Any,
                           scale: float, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> np.ndarray:
+                          head_dim: int, window: int = 0) -> np.ndarray:
         """:meth:`Ops.rope_kv_attention` as its three ops (``compose_rope_kv_attention``)."""
         return compose_rope_kv_attention(self, qkv, positions, cos_sin_cache, kv_cache, attn,
-                                         scale, num_heads, num_kv_heads, head_dim)
+                                         scale, num_heads, num_kv_heads, head_dim, window)
 
     def prepare_step(self, batch: Any, geometry: Any) -> Any:
         """The step's host arrays are this backend's arrays: ``batch`` itself
@@ -513,6 +536,7 @@ class CpuOps:
         k = np.ones((2, nkv, hd), _F32)
         self.rotary_embedding(np.arange(2), q, k, build_rope_cache(hd, 4, 10000.0), hd)
         self.silu_and_mul(x)
+        self.gelu_tanh_and_mul(x)
         self.write_kv(k, k, cache, np.arange(2))
         self.paged_attention(q, cache, np.array([[0, 1]], np.int32), np.array([2], np.int32),
                              np.array([0, 2], np.int32), 0.5)

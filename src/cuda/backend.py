@@ -148,8 +148,10 @@ def capture_graphs(backend: CudaBackend, model, kv_caches, max_num_seqs: int,
     geometry = StepGeometry(model.config.vocab_size, int(model.rope_cache.shape[0]),
                             int(cache.shape[0]), int(cache.shape[2]))
     try:
+        layout = getattr(model, "kv_layout", None)
         graphs = DecodeGraphs(backend.ops, decode_run(model, kv_caches), geometry,
-                              max_num_seqs, max_model_len)
+                              max_num_seqs, max_model_len,
+                              num_groups=layout.num_groups if layout is not None else 1)
     except Exception as exc:  # noqa: BLE001 - eager still works: say why, go on
         log.warning("cuda_graphs", captured=False, reason=f"{type(exc).__name__}: {exc}",
                     message=f"CUDA graph capture failed ({type(exc).__name__}: {exc}); "

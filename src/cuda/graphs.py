@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from kvserve.cuda.step import PackedStep, StepViews, check_step, pack_step
+from kvserve.cuda.step import PackedStep, StepViews, check_step, group_name, pack_step
 from kvserve.model.ops import StepGeometry
 
 log = structlog.get_logger("kvserve.engine")
@@ -64,13 +64,17 @@ class Bucket:
     graph: Any = None
 
 
-def padded_step(batch: Any, size: int, width: int) -> dict[str, np.ndarray]:
+def padded_step(batch: Any, size: int, width: int, num_groups: int = 1
+                ) -> dict[str, np.ndarray]:
     """A decode batch's arrays padded to ``size`` one-token sequences with
     block tables ``width`` wide, in the order and dtypes of
     ``CudaOps.prepare_step``'s layout (attention work lists included).
 
     Padding sequences: token 0 at position 0, slot -1 (nothing written),
     a context of one token in block 0 (read, harmlessly), sampled last.
+    ``num_groups`` KV-cache groups: the slot mappings and block tables of
+    groups 1 .. G-1 (``batch.group_tables``) padded alike, after the
+    others (``prepare_step``'s names).
     """
     n = batch.input_ids.shape[0]
     i64, i32 = np.int64, np.int32
@@ -80,17 +84,29 @@ def padded_step(batch: Any, size: int, width: int) -> dict[str, np.ndarray]:
         out[:n] = a
         return out
 
-    tables = np.zeros((size, width), dtype=i32)
-    tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
+    def padded_tables(block_tables: np.ndarray) -> np.ndarray:
+        tables = np.zeros((size, width), dtype=i32)
+        tables[:n, :block_tables.shape[1]] = block_tables
+        return tables
+
     seq_lens = pad(batch.seq_lens, 1, i32)
-    return {"input_ids": pad(batch.input_ids, 0, i64), "positions": pad(batch.positions, 0, i64),
-            "slot_mapping": pad(batch.slot_mapping, -1, i64), "block_tables": tables,
-            "seq_lens": seq_lens, "query_start_loc": np.arange(size + 1, dtype=i32),
-            "logits_indices": np.arange(size, dtype=i64),
-            "tokens": np.arange(size, dtype=i32), "token_seq": np.arange(size, dtype=i32),
-            "token_ctx": seq_lens.copy(),
-            **{name: np.zeros(0, dtype=i32)
-               for name in ("tile_seq", "tile_t0", "tile_nq", "tile_pos0")}}
+    arrays = {"input_ids": pad(batch.input_ids, 0, i64), "positions": pad(batch.positions, 0, i64),
+              "slot_mapping": pad(batch.slot_mapping, -1, i64),
+              "block_tables": padded_tables(batch.block_tables),
+              "seq_lens": seq_lens, "query_start_loc": np.arange(size + 1, dtype=i32),
+              "logits_indices": np.arange(size, dtype=i64)}
+    groups = tuple(getattr(batch, "group_tables", ()))
+    if len(groups) != num_groups - 1:
+        raise ValueError(f"graphs: a step of {len(groups) + 1} KV-cache groups for buckets of "
+                         f"{num_groups}")
+    for g, (slots, tables) in enumerate(groups, start=1):
+        arrays[group_name("slot_mapping", g)] = pad(slots, -1, i64)
+        arrays[group_name("block_tables", g)] = padded_tables(tables)
+    arrays.update({"tokens": np.arange(size, dtype=i32), "token_seq": np.arange(size, dtype=i32),
+                   "token_ctx": seq_lens.copy(),
+                   **{name: np.zeros(0, dtype=i32)
+                      for name in ("tile_seq", "tile_t0", "tile_nq", "tile_pos0")}})
+    return arrays
 
 
 class DecodeGraphs:
@@ -108,15 +124,19 @@ class DecodeGraphs:
             attention grid, which covers every partition of it).
         capture: ``capture(fn) -> replayable``, where ``replayable.launch()``
             replays ``fn``'s work; default ``CupyCapture`` on a GPU.
+        num_groups: KV-cache groups of the model (``kv_layout.num_groups``):
+            block tables per step (a replayed step must bring as many).
 
     Raises whatever capturing raises (the caller falls back to eager).
     """
 
     def __init__(self, ops: Any, run: Callable[[StepViews], Any], geometry: StepGeometry,
                  max_num_seqs: int, max_model_len: int,
-                 capture: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+                 capture: Callable[[Callable[[], Any]], Any] | None = None,
+                 num_groups: int = 1) -> None:
         self.ops = ops
         self.geometry = geometry
+        self.num_groups = num_groups
         self.width = -(-max_model_len // geometry.block_size)
         self.max_model_len = max_model_len
         self._capture = capture or CupyCapture(ops)
@@ -128,8 +148,9 @@ class DecodeGraphs:
 
     def _capture_bucket(self, size: int, run: Callable[[StepViews], Any]) -> Bucket:
         """Lay out, allocate and capture one bucket (its padding-only step)."""
-        empty = _EmptyBatch(self.width)
-        packed = pack_step(padded_step(empty, size, self.width), num_tokens=size, num_seqs=size,
+        empty = _EmptyBatch(self.width, self.num_groups)
+        packed = pack_step(padded_step(empty, size, self.width, self.num_groups),
+                           num_tokens=size, num_seqs=size,
                            decode_only=True, max_context=self.max_model_len, tile_q=1)
         buffer = self.ops.upload(packed.data)
         views = self.ops.step_views(packed, buffer)
@@ -153,6 +174,7 @@ class DecodeGraphs:
         n = batch.input_ids.shape[0]
         qsl = batch.query_start_loc
         return (0 < n <= max(self.buckets) and batch.seq_lens.shape[0] == n
+                and len(getattr(batch, "group_tables", ())) == self.num_groups - 1
                 and batch.logits_indices.shape[0] == n
                 and bool((np.diff(qsl) == 1).all()) and int(qsl[0]) == 0
                 and bool((batch.logits_indices == np.arange(n)).all()))
@@ -161,10 +183,13 @@ class DecodeGraphs:
         """Logits [n, V] of a decode batch (``accepts``), computed by its
         bucket's graph. Raises ValueError as ``check_step`` for a bad index."""
         n = batch.input_ids.shape[0]
-        check_step(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
-                   batch.seq_lens, batch.query_start_loc, batch.logits_indices, self.geometry)
+        tables = [(batch.slot_mapping, batch.block_tables), *getattr(batch, "group_tables", ())]
+        for slots, block_tables in tables:
+            check_step(batch.input_ids, batch.positions, slots, block_tables, batch.seq_lens,
+                       batch.query_start_loc, batch.logits_indices, self.geometry)
         bucket = self.buckets[min(b for b in self.buckets if b >= n)]
-        host = pack_step(padded_step(batch, bucket.size, self.width), bucket.size, bucket.size,
+        host = pack_step(padded_step(batch, bucket.size, self.width, self.num_groups),
+                         bucket.size, bucket.size,
                          decode_only=True, max_context=self.max_model_len, tile_q=1)
         self.ops.upload_into(bucket.buffer, host.data)
         self.ops.use_step(bucket.views)
@@ -188,15 +213,18 @@ class DecodeGraphs:
 
 
 class _EmptyBatch:
-    """A decode batch of no sequences (every bucket row is padding)."""
+    """A decode batch of no sequences (every bucket row is padding), with
+    ``num_groups`` KV-cache groups."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, num_groups: int = 1) -> None:
         i64, i32 = np.int64, np.int32
         self.input_ids = self.positions = self.slot_mapping = np.zeros(0, i64)
         self.logits_indices = np.zeros(0, i64)
         self.block_tables = np.zeros((0, width), i32)
         self.seq_lens = np.zeros(0, i32)
         self.query_start_loc = np.zeros(1, i32)
+        self.group_tables = tuple((self.slot_mapping, self.block_tables)
+                                  for _ in range(num_groups - 1))
 
 
 class CupyCapture:
@@ -265,12 +293,16 @@ class _Again:
 
 def decode_run(model: Any, kv_caches: Sequence[Any]) -> Callable[[StepViews], Any]:
     """The work a bucket captures: ``model``'s forward over the step views
-    and its LM head, float32 logits [size, V]."""
+    and its LM head, float32 logits [size, V]. With several KV-cache groups
+    (``views.group_tables``) the model gets one ``AttentionMetadata`` per
+    group, in group order."""
     from kvserve.model.llama import AttentionMetadata
 
     def run(views: StepViews) -> Any:
-        attn = AttentionMetadata(views.slot_mapping, views.block_tables, views.seq_lens,
-                                 views.query_start_loc, plan=views)
+        tables = [(views.slot_mapping, views.block_tables), *views.group_tables]
+        groups = [AttentionMetadata(slots, block_tables, views.seq_lens, views.query_start_loc,
+                                    plan=views) for slots, block_tables in tables]
+        attn = groups[0] if len(groups) == 1 else groups
         hidden = model.hidden_states(views.input_ids, views.positions, attn, list(kv_caches),
                                      views.logits_indices)
         logits = model.compute_logits(hidden)

@@ -23,6 +23,14 @@ KV cache and attention metadata follow vLLM's paged layout
 (``kvserve.model.ops``): ``kv_cache[num_blocks, 2, block_size, nkv, hd]``
 (axis 1: 0 = K, 1 = V), token position ``j`` of sequence ``s`` lives in block
 ``block_tables[s, j // block_size]`` at offset ``j % block_size``.
+
+Sliding-window attention (Gemma 3's local layers; Beltagy et al. 2020,
+Mistral's ``sliding_window``): every attention kernel takes ``window``, 0
+for full causal attention, else a query at position p attends to keys
+p - window < j <= p only.  The kernels start their loops at the window's
+first key (:func:`_window_start`): a key before it is never loaded, not
+loaded and masked, since the KV manager frees the blocks behind the window
+and they may hold another request's K/V (or NaN).
 """
 
 from __future__ import annotations
@@ -55,6 +63,10 @@ INT8_MAX = 127
 _NEG_INF = float32(-math.inf)
 _ZERO = float32(0.0)
 _ONE = float32(1.0)
+_HALF = float32(0.5)
+#: sqrt(2 / pi) and the cubic coefficient of the tanh approximation of GELU.
+_GELU_SQRT_2_OVER_PI = float32(math.sqrt(2.0 / math.pi))
+_GELU_CUBIC = float32(0.044715)
 
 
 # --------------------------------------------------------------------------- #
@@ -73,6 +85,16 @@ def _max(a, b):
 @cuda.jit(device=True)
 def _min(a, b):
     return a if a < b else b  # noqa: FURB136 (see above)
+
+
+@cuda.jit(device=True)
+def _window_start(ctx, window):
+    """First key position a query with ``ctx`` keys of context (its own
+    position + 1) may see: ``ctx - window`` with a window (``window`` > 0),
+    clamped at 0; 0 without (full causal attention)."""
+    if window > 0 and ctx > window:
+        return ctx - window
+    return 0
 
 
 @cuda.jit(device=True)
@@ -203,6 +225,24 @@ def silu_and_mul_kernel(x, out):
 
 
 @cuda.jit
+def gelu_tanh_and_mul_kernel(x, out):
+    """out = gelu_tanh(x[:, :I]) * x[:, I:], with
+    gelu_tanh(a) = 0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3)))
+    (Hendrycks & Gimpel 2016's tanh approximation; PyTorch's
+    ``gelu(approximate="tanh")``, HF's ``gelu_pytorch_tanh`` of Gemma 3).
+
+    x: [T, 2I] (gate then up); out: [T, I], same dtype.  float32 throughout.
+    Mapping: grid (T,), threads stride over I.
+    """
+    t = cuda.blockIdx.x
+    inter = out.shape[1]
+    for i in range(cuda.threadIdx.x, inter, cuda.blockDim.x):
+        a = float32(x[t, i])
+        inner = _GELU_SQRT_2_OVER_PI * (a + _GELU_CUBIC * a * a * a)
+        out[t, i] = _HALF * a * (_ONE + math.tanh(inner)) * float32(x[t, inter + i])
+
+
+@cuda.jit
 def write_kv_kernel(k, v, kv_cache, slot_mapping):
     """Scatter new K/V rows into the paged cache (vLLM's reshape_and_cache).
 
@@ -233,14 +273,17 @@ def write_kv_kernel(k, v, kv_cache, slot_mapping):
 
 @cuda.jit
 def decode_partition_kernel(q, kv_cache, block_tables, tokens, token_seq, token_ctx, scale,
-                            partition_size, tmp_out, max_logits, exp_sums):
+                            window, partition_size, tmp_out, max_logits, exp_sums):
     """Attention of one query over one partition of its context.
 
     q: [T, nh, hd]; kv_cache as above; block_tables: int32[S, max_blocks];
     work item i is flat token ``tokens[i]`` of sequence ``token_seq[i]``,
-    attending to context positions [0, token_ctx[i]); scale: float32;
-    partition p covers positions [p * P, (p + 1) * P), P = partition_size <=
-    MAX_PARTITION_SIZE.  Writes the partition's max logit, its sum of
+    attending to context positions [lo, token_ctx[i]) with lo =
+    ``_window_start(token_ctx[i], window)`` (0 without a window); scale:
+    float32; window: int (0: none); partition p covers positions
+    [lo + p * P, lo + (p + 1) * P), P = partition_size <=
+    MAX_PARTITION_SIZE (the partitions count from the window's start, so a
+    key before it is never read).  Writes the partition's max logit, its sum of
     exp(logit - max) and its normalized output to max_logits[i, h, p],
     exp_sums[i, h, p] (float32[N, nh, parts]) and tmp_out[i, h, p]
     (float32[N, nh, parts, hd]); :func:`decode_reduce_kernel` combines them.
@@ -257,8 +300,8 @@ def decode_partition_kernel(q, kv_cache, block_tables, tokens, token_seq, token_
     red_sum = cuda.shared.array(MAX_BLOCK_THREADS, float32)
     i, h, p = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
     tid, nthreads = cuda.threadIdx.x, cuda.blockDim.x
-    start = p * partition_size
     ctx = token_ctx[i]
+    start = _window_start(ctx, window) + p * partition_size
     if start >= ctx:
         return
     n_keys = _min(partition_size, ctx - start)
@@ -300,8 +343,12 @@ def decode_partition_kernel(q, kv_cache, block_tables, tokens, token_seq, token_
 
 
 @cuda.jit
-def decode_reduce_kernel(tmp_out, max_logits, exp_sums, tokens, token_ctx, partition_size, out):
-    """Combine the partitions of :func:`decode_partition_kernel` into out[tokens[i], h].
+def decode_reduce_kernel(tmp_out, max_logits, exp_sums, tokens, token_ctx, window,
+                         partition_size, out):
+    """Combine the partitions of :func:`decode_partition_kernel` (or of
+    :func:`decode_fused_kernel`) into out[tokens[i], h]: the
+    ceil((token_ctx[i] - lo) / P) partitions from the window's start lo
+    (``_window_start``; window 0: none, lo = 0).
 
     With M = max_p m_p and w_p = l_p exp(m_p - M):
     out = sum_p w_p o_p / sum_p w_p (o_p are the normalized partial outputs).
@@ -311,7 +358,8 @@ def decode_reduce_kernel(tmp_out, max_logits, exp_sums, tokens, token_ctx, parti
     in shared memory: no barrier.
     """
     i, h = cuda.blockIdx.x, cuda.blockIdx.y
-    n_parts = (token_ctx[i] + partition_size - 1) // partition_size
+    ctx = token_ctx[i]
+    n_parts = (ctx - _window_start(ctx, window) + partition_size - 1) // partition_size
     m_all = _NEG_INF
     for p in range(n_parts):
         m_all = _max(m_all, max_logits[i, h, p])
@@ -334,14 +382,19 @@ def decode_reduce_kernel(tmp_out, max_logits, exp_sums, tokens, token_ctx, parti
 
 @cuda.jit
 def prefill_attention_kernel(q, kv_cache, block_tables, tile_seq, tile_t0, tile_nq, tile_pos0,
-                             scale, out):
+                             scale, window, out):
     """Causal attention of a tile of consecutive queries of one sequence.
 
     Tile i holds the flat tokens tile_t0[i] .. + tile_nq[i] - 1 (<= blockDim.x)
     of sequence tile_seq[i], at positions tile_pos0[i] ..; the query at
     position pos attends to context positions [0, pos], i.e. fully over the
-    cached prefix and causally within the chunk.  q, out: [T, nh, hd];
-    kv_cache, block_tables as above; scale: float32.
+    cached prefix and causally within the chunk, or with a window (window >
+    0) to (pos - window, pos].  q, out: [T, nh, hd]; kv_cache, block_tables
+    as above; scale: float32; window: int (0: none).
+
+    With a window the block loads keys from the tile's first row's window
+    start on (never a key before it); a later row skips the loaded keys
+    before its own window.
 
     Mapping: grid (tiles, nh), block 1-D: thread r owns query row r, with
     its scaled q row, running max, denominator and output row in registers /
@@ -374,7 +427,7 @@ def prefill_attention_kernel(q, kv_cache, block_tables, tile_seq, tile_t0, tile_
             acc[d] = _ZERO
 
     n_ctx = pos0 + nq  # the last row's context
-    for k0 in range(0, n_ctx, PREFILL_KV_TILE):
+    for k0 in range(_window_start(pos0 + 1, window), n_ctx, PREFILL_KV_TILE):
         nk = _min(PREFILL_KV_TILE, n_ctx - k0)
         for e in range(r, nk * hd, nthreads):
             j = e // hd
@@ -386,9 +439,10 @@ def prefill_attention_kernel(q, kv_cache, block_tables, tile_seq, tile_t0, tile_
             v_tile[j, d] = float32(kv_cache[blk, 1, off, kvh, d])
         cuda.syncthreads()
         visible = _min(nk, pos + 1 - k0)  # causal mask
-        if active and visible > 0:
+        first = _max(0, _window_start(pos + 1, window) - k0)  # the row's window
+        if active and visible > first:
             tile_max = _NEG_INF
-            for j in range(visible):
+            for j in range(first, visible):
                 dot = _ZERO
                 for d in range(hd):
                     dot += q_row[d] * k_tile[j, d]
@@ -397,7 +451,7 @@ def prefill_attention_kernel(q, kv_cache, block_tables, tile_seq, tile_t0, tile_
             m_new = _max(m, tile_max)
             alpha = math.exp(m - m_new)  # exp(-inf) = 0 on the first tile
             psum = _ZERO
-            for j in range(visible):
+            for j in range(first, visible):
                 e_j = math.exp(scores[j] - m_new)
                 scores[j] = e_j
                 psum += e_j
@@ -405,7 +459,7 @@ def prefill_attention_kernel(q, kv_cache, block_tables, tile_seq, tile_t0, tile_
             m = m_new
             for d in range(hd):
                 a = acc[d] * alpha
-                for j in range(visible):
+                for j in range(first, visible):
                     a += scores[j] * v_tile[j, d]
                 acc[d] = a
         cuda.syncthreads()
@@ -483,10 +537,16 @@ def quantize_groups_kernel(x, group, xq, x_scales):
 
 #: Most query heads per KV head the fused kernel holds (shared q rows and logits).
 MAX_GROUP = 8
+# The fused kernel's shared arrays, sized by plain int globals: Numba's CUDA
+# target takes a shared array's shape only as a constant, and an expression
+# such as ``MAX_GROUP * MAX_HEAD_DIM`` in the kernel is typed as a run-time
+# int64 (``cuda.compile_ptx`` refuses it; the simulator does not check).
+_GROUP_Q_ELEMS = MAX_GROUP * MAX_HEAD_DIM
+_GROUP_LOGITS = MAX_GROUP * MAX_PARTITION_SIZE
 
 @cuda.jit
 def decode_fused_kernel(qkv, positions, cos_sin_cache, kv_cache, block_tables, slot_mapping,
-                        tokens, token_seq, token_ctx, num_heads, scale, partition_size,
+                        tokens, token_seq, token_ctx, num_heads, scale, window, partition_size,
                         out, tmp_out, max_logits, exp_sums):
     """RoPE + KV write + GQA-group attention of one decode token, one partition.
 
@@ -497,8 +557,11 @@ def decode_fused_kernel(qkv, positions, cos_sin_cache, kv_cache, block_tables, s
     int64[T] (negative: not written); work item i is flat token
     ``tokens[i]`` of sequence ``token_seq[i]`` with context
     ``token_ctx[i]`` (its own position + 1); num_heads: nh (a multiple of
-    nkv, nh / nkv <= MAX_GROUP); scale: float32; partition_size: P <=
-    MAX_PARTITION_SIZE keys.
+    nkv, nh / nkv <= MAX_GROUP); scale: float32; window: int, 0 for full
+    causal attention, else the token sees keys [lo, ctx) with lo =
+    ``_window_start(ctx, window)``; partition_size: P <= MAX_PARTITION_SIZE
+    keys, partition p covering [lo + p P, lo + (p + 1) P) (no key before lo
+    is read).
 
     Output: with one partition launched (grid z of 1: every context <= P)
     the normalized rows go to ``out[t, h]`` ([T, nh, hd], q's dtype); with
@@ -515,9 +578,9 @@ def decode_fused_kernel(qkv, positions, cos_sin_cache, kv_cache, block_tables, s
     per query head for the max and the sum. A partition past the context
     exits before any barrier, uniformly for its block.
     """
-    q_s = cuda.shared.array(MAX_GROUP * MAX_HEAD_DIM, float32)
+    q_s = cuda.shared.array(_GROUP_Q_ELEMS, float32)
     k_s = cuda.shared.array(MAX_HEAD_DIM, float32)
-    logits = cuda.shared.array(MAX_GROUP * MAX_PARTITION_SIZE, float32)
+    logits = cuda.shared.array(_GROUP_LOGITS, float32)
     red_max = cuda.shared.array(MAX_BLOCK_THREADS, float32)
     red_sum = cuda.shared.array(MAX_BLOCK_THREADS, float32)
     m_loc = cuda.local.array(MAX_GROUP, float32)
@@ -527,7 +590,8 @@ def decode_fused_kernel(qkv, positions, cos_sin_cache, kv_cache, block_tables, s
     i, g, p = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
     tid, nthreads = cuda.threadIdx.x, cuda.blockDim.x
     ctx = token_ctx[i]
-    start = p * partition_size
+    lo = _window_start(ctx, window)
+    start = lo + p * partition_size
     if start >= ctx:
         return
     t, s = tokens[i], token_seq[i]
@@ -555,7 +619,7 @@ def decode_fused_kernel(qkv, positions, cos_sin_cache, kv_cache, block_tables, s
     cuda.syncthreads()
 
     # 2. the block whose partition holds the new position writes its K/V
-    if p == (ctx - 1) // partition_size:
+    if p == (ctx - 1 - lo) // partition_size:
         slot = slot_mapping[t]
         if slot >= 0:
             b = slot // block_size

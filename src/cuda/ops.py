@@ -32,7 +32,7 @@ from numba import cuda
 
 from kvserve.cuda import gemv_kernels, kernels
 from kvserve.cuda.step import (PackedStep, StepGeometry, StepViews, attention_plan,
-                               check_attention_metadata, check_step, pack_step)
+                               check_attention_metadata, check_step, group_name, pack_step)
 from kvserve.model.ops import build_rope_cache, compose_rope_kv_attention
 from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
 from kvserve.model.quantization import QuantizedWeight
@@ -48,7 +48,7 @@ PREFILL_MIN_QUERIES = 2
 #: Query rows per prefill tile (one thread each), at most.
 PREFILL_TILE_Q = 64
 WARP_SIZE = 32
-#: Row kernels (norms, RoPE, SiLU, embedding, KV writes) give each thread
+#: Row kernels (norms, RoPE, SiLU / GELU, embedding, KV writes) give each thread
 #: about this many elements of a row: a 576-wide hidden row gets 96 threads
 #: on a GPU, a 64-wide one 8 threads under the simulator.
 ROW_ELEMS_PER_THREAD = 8
@@ -101,6 +101,22 @@ def _block_min(weight: BlockQuantizedWeight) -> Any:
     """The ``m`` argument of a block kernel: Q4's minimums, or for Q8_0 (none)
     its ``d`` again, which the Q8 kernels ignore."""
     return weight.m if weight.m is not None else weight.d
+
+
+def _check_window(window: Any, what: str) -> int:
+    """An attention ``window`` as an int >= 0 (0: none). Raises ValueError
+    naming ``what`` for a negative or non-integer one."""
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+        raise ValueError(f"{what}: window must be an int >= 0 (0: no window), got {window!r}")
+    if window > np.iinfo(np.int32).max:
+        raise ValueError(f"{what}: window {window} does not fit int32")
+    return int(window)
+
+
+def _keys_seen(max_context: int, window: int) -> int:
+    """Most keys a decode query reads: its context, at most ``window`` (0: none).
+    Sizes the split-K grid: ceil(keys / partition_size) partitions."""
+    return min(max_context, window) if window else max_context
 
 
 def _describe(a: Any) -> str:
@@ -617,6 +633,23 @@ class CudaOps:
                      x, out)
         return out
 
+    def gelu_tanh_and_mul(self, x: Any) -> Any:
+        """``gelu_tanh(x[:, :I]) * x[:, I:]``: C-contiguous [T, 2I] -> new [T, I] (x's dtype).
+
+        gelu_tanh(a) = 0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3))),
+        PyTorch's ``gelu(approximate="tanh")`` (HF ``gelu_pytorch_tanh``,
+        Gemma 3's MLP activation), computed in float32
+        (``kernels.gelu_tanh_and_mul_kernel``).  Raises ValueError on a bad
+        array or an odd last dimension.
+        """
+        x = self._float(x, "gelu_tanh_and_mul: x", "[T, 2*I]", 2)
+        if x.shape[1] % 2:
+            raise ValueError(f"gelu_tanh_and_mul: x last dimension must be even, got {x.shape}")
+        out = self.xp.empty((x.shape[0], x.shape[1] // 2), x.dtype)
+        self._launch(kernels.gelu_tanh_and_mul_kernel, (x.shape[0],),
+                     (self._row_threads(out.shape[1]),), x, out)
+        return out
+
     # ------------------------------------------------------------------ #
     # paged KV cache
     # ------------------------------------------------------------------ #
@@ -652,7 +685,8 @@ class CudaOps:
                      k, v, cache, slots)
 
     def paged_attention(self, q: Any, kv_cache: Any, block_tables: Any, seq_lens: Any,
-                        query_start_loc: Any, scale: float, plan: StepViews | None = None) -> Any:
+                        query_start_loc: Any, scale: float, plan: StepViews | None = None,
+                        window: int = 0) -> Any:
         """Causal attention of every new token over its sequence's paged context.
 
         q: C-contiguous [T, nh, hd] of the cache's dtype, hd <=
@@ -673,8 +707,16 @@ class CudaOps:
         here (reading them back) or, given the step's ``plan`` (``prepare_step``,
         whose arrays these are), once for the whole step before it ran.
 
-        Raises ValueError on a bad array, inconsistent metadata or a block id
-        out of range.
+        ``window``: 0 (default) for full causal attention; > 0 for a sliding
+        window (Gemma 3's local layers): the query at position p attends to
+        keys p - window < j <= p only.  The kernels never read a key before
+        a query's window (the blocks there may be freed and hold anything,
+        NaN included); here, without a plan, only the block ids they read
+        are checked.  A decode then costs ceil(min(context, window) /
+        partition_size) partitions.
+
+        Raises ValueError on a bad array, inconsistent metadata, a block id
+        out of range or a negative window.
         """
         cache = self._check_cache(kv_cache, "paged_attention")
         num_blocks, _, block_size, nkv, hd = cache.shape
@@ -690,28 +732,31 @@ class CudaOps:
         if qsl.shape[0] != S + 1 or bt.shape[0] != S:
             raise ValueError(f"paged_attention: {S} seq_lens need query_start_loc of {S + 1} "
                              f"and block_tables of {S} rows, got {qsl.shape[0]} and {bt.shape[0]}")
+        window = _check_window(window, "paged_attention")
         out = self.xp.zeros_like(q)
         if S == 0:
             return out
         if plan is None:
-            plan = self._plan_here(bt, sl, qsl, T, num_blocks, block_size)
+            plan = self._plan_here(bt, sl, qsl, T, num_blocks, block_size, window)
         args = (q, cache, bt)
-        scale32 = np.float32(scale)
+        scale32, window32 = np.float32(scale), np.int32(window)
         if plan.num_decodes:
-            self._decode(*args, plan, scale32, out)
+            self._decode(*args, plan, scale32, window32, out)
         if plan.num_tiles:
             grid = (plan.num_tiles, nh)
             self._launch(kernels.prefill_attention_kernel, grid, (plan.tile_q,), *args,
-                         plan.tile_seq, plan.tile_t0, plan.tile_nq, plan.tile_pos0, scale32, out)
+                         plan.tile_seq, plan.tile_t0, plan.tile_nq, plan.tile_pos0, scale32,
+                         window32, out)
         return out
 
     def _plan_here(self, bt: Any, sl: Any, qsl: Any, num_tokens: int, num_blocks: int,
-                   block_size: int) -> StepViews:
+                   block_size: int, window: int = 0) -> StepViews:
         """The work lists of a ``paged_attention`` called without a step plan:
         its metadata read back, checked and planned on the host, and the
         lists uploaded (a call outside a step: tests, warm-up)."""
         h_sl, h_qsl = self._host(sl), self._host(qsl)
-        check_attention_metadata(self._host(bt), h_sl, h_qsl, num_tokens, num_blocks, block_size)
+        check_attention_metadata(self._host(bt), h_sl, h_qsl, num_tokens, num_blocks, block_size,
+                                 window)
         tile_q = self._threads(min(self.prefill_tile_q, int(np.diff(h_qsl).max())))
         lists = attention_plan(h_sl, h_qsl, self.prefill_min_queries, tile_q)
         packed = pack_step(lists, num_tokens, len(h_sl), decode_only=False,
@@ -719,21 +764,21 @@ class CudaOps:
         return self.step_views(packed, self.upload(packed.data))
 
     def _decode(self, q: Any, cache: Any, bt: Any, plan: StepViews, scale: np.float32,
-                out: Any) -> None:
+                window: np.int32, out: Any) -> None:
         """The split-K decode route of :meth:`paged_attention` on ``plan``'s tokens."""
         xp, P = self.xp, self.partition_size
         N, (nh, hd) = plan.num_decodes, q.shape[1:]
-        max_ctx = plan.max_context
-        parts = -(-max_ctx // P)
+        keys = _keys_seen(plan.max_context, int(window))
+        parts = -(-keys // P)
         tmp_out = xp.empty((N, nh, parts, hd), np.float32)
         max_logits = xp.empty((N, nh, parts), np.float32)
         exp_sums = xp.empty((N, nh, parts), np.float32)
         self._launch(kernels.decode_partition_kernel, (N, nh, parts),
-                     (self._threads(max(min(P, max_ctx), hd)),),
-                     q, cache, bt, plan.tokens, plan.token_seq, plan.token_ctx, scale, P,
+                     (self._threads(max(min(P, keys), hd)),),
+                     q, cache, bt, plan.tokens, plan.token_seq, plan.token_ctx, scale, window, P,
                      tmp_out, max_logits, exp_sums)
         self._launch(kernels.decode_reduce_kernel, (N, nh), (self._threads(hd),),
-                     tmp_out, max_logits, exp_sums, plan.tokens, plan.token_ctx, P, out)
+                     tmp_out, max_logits, exp_sums, plan.tokens, plan.token_ctx, window, P, out)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_dim: int) -> Any:
@@ -809,9 +854,11 @@ class CudaOps:
 
         batch: a ``BatchInputs`` (host NumPy arrays: input_ids, positions,
         slot_mapping, block_tables, seq_lens, query_start_loc,
-        logits_indices). Returns the device views; until the next call the
-        wrappers trust those arrays and read nothing back. Raises ValueError
-        as ``check_step``.
+        logits_indices, and ``group_tables``: the slot mappings and block
+        tables of KV-cache groups 1 .. G-1, each checked as group 0's).
+        Returns the device views (``StepViews.group_tables``: the groups'
+        views); until the next call the wrappers trust those arrays and read
+        nothing back. Raises ValueError as ``check_step``.
         """
         i64, i32 = np.int64, np.int32
         arrays = {"input_ids": batch.input_ids.astype(i64, copy=False),
@@ -822,6 +869,12 @@ class CudaOps:
                   "query_start_loc": batch.query_start_loc.astype(i32, copy=False),
                   "logits_indices": batch.logits_indices.astype(i64, copy=False)}
         check_step(*arrays.values(), geometry)
+        base = dict(arrays)
+        for g, (slots, tables) in enumerate(getattr(batch, "group_tables", ()), start=1):
+            group = {"slot_mapping": slots.astype(i64, copy=False),
+                     "block_tables": tables.astype(i32, copy=False)}
+            check_step(**{**base, **group}, geometry=geometry)
+            arrays.update({group_name(name, g): a for name, a in group.items()})
         qsl, sl = arrays["query_start_loc"], arrays["seq_lens"]
         n_new = np.diff(qsl.astype(i64))
         tile_q = self._threads(min(self.prefill_tile_q, int(n_new.max(initial=1))))
@@ -844,23 +897,26 @@ class CudaOps:
 
     def rope_kv_attention(self, qkv: Any, positions: Any, cos_sin_cache: Any, kv_cache: Any,
                           attn: Any, scale: float, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> Any:
+                          head_dim: int, window: int = 0) -> Any:
         """RoPE of q and k, their K/V written to the cache, paged attention:
         ``kvserve.model.ops.rope_kv_attention``'s contract (qkv [T, (nh + 2
-        nkv) * hd]; returns a new [T, nh, hd]).
+        nkv) * hd]; returns a new [T, nh, hd]); ``window`` as
+        :meth:`paged_attention`'s (0: full causal attention).
 
         A decode step planned by ``prepare_step`` (``attn.plan``: every
         sequence one new token), with at most ``MAX_GROUP`` query heads per
         KV head, runs ``kernels.decode_fused_kernel``: one launch, a
-        second (the split-K reduction) only for a context longer than
-        ``partition_size``. Any other step runs the three ops in turn.
+        second (the split-K reduction) only for a context (or window)
+        longer than ``partition_size``. Any other step runs the three ops in
+        turn (:meth:`_compose`). Raises ValueError as those ops do.
         """
+        window = _check_window(window, "rope_kv_attention")
         plan = getattr(attn, "plan", None)
         group = num_heads // num_kv_heads if num_kv_heads else 0
         if (not isinstance(plan, StepViews) or not plan.decode_only or plan.num_tiles
                 or group > kernels.MAX_GROUP or head_dim > kernels.MAX_HEAD_DIM):
-            return compose_rope_kv_attention(self, qkv, positions, cos_sin_cache, kv_cache,
-                                             attn, scale, num_heads, num_kv_heads, head_dim)
+            return self._compose(qkv, positions, cos_sin_cache, kv_cache, attn, scale, num_heads,
+                                 num_kv_heads, head_dim, window)
         cache = self._check_cache(kv_cache, "rope_kv_attention")
         qkv = self._float(qkv, "rope_kv_attention: qkv", "[T, (nh + 2 nkv) * hd]", 2,
                           dtype=cache.dtype)
@@ -872,20 +928,33 @@ class CudaOps:
                              f"{head_dim}")
         xp, P = self.xp, self.partition_size
         N = plan.num_decodes
-        parts = -(-plan.max_context // P)
+        keys = _keys_seen(plan.max_context, window)
+        parts = -(-keys // P)
         out = xp.zeros((qkv.shape[0], num_heads, head_dim), qkv.dtype)
         tmp_out = xp.empty((N, num_heads, parts if parts > 1 else 1, head_dim), np.float32)
         max_logits = xp.empty((N, num_heads, parts), np.float32)
         exp_sums = xp.empty((N, num_heads, parts), np.float32)
-        threads = self._threads(max(min(P, plan.max_context), head_dim))
+        threads = self._threads(max(min(P, keys), head_dim))
+        window32 = np.int32(window)
         self._launch(kernels.decode_fused_kernel, (N, num_kv_heads, parts), (threads,),
                      qkv, positions, cos_sin_cache, cache, attn.block_tables, attn.slot_mapping,
                      plan.tokens, plan.token_seq, plan.token_ctx, np.int32(num_heads),
-                     np.float32(scale), np.int32(P), out, tmp_out, max_logits, exp_sums)
+                     np.float32(scale), window32, np.int32(P), out, tmp_out, max_logits,
+                     exp_sums)
         if parts > 1:
             self._launch(kernels.decode_reduce_kernel, (N, num_heads), (self._threads(head_dim),),
-                         tmp_out, max_logits, exp_sums, plan.tokens, plan.token_ctx, P, out)
+                         tmp_out, max_logits, exp_sums, plan.tokens, plan.token_ctx, window32, P,
+                         out)
         return out
+
+    def _compose(self, qkv: Any, positions: Any, cos_sin_cache: Any, kv_cache: Any, attn: Any,
+                 scale: float, num_heads: int, num_kv_heads: int, head_dim: int,
+                 window: int) -> Any:
+        """:meth:`rope_kv_attention` as three ops (``compose_rope_kv_attention``'s
+        steps: q and k copied out of ``qkv`` and rotated, K/V written, then
+        :meth:`paged_attention` with ``window``)."""
+        return compose_rope_kv_attention(self, qkv, positions, cos_sin_cache, kv_cache, attn,
+                                         scale, num_heads, num_kv_heads, head_dim, window)
 
     # ------------------------------------------------------------------ #
 
@@ -902,6 +971,7 @@ class CudaOps:
         q, k = to(np.ones((2, 2, hd))), to(np.ones((2, nkv, hd)))
         self.rotary_embedding(to(np.arange(2)), q, k, to(build_rope_cache(hd, 4, 1e4)), hd)
         self.silu_and_mul(x)
+        self.gelu_tanh_and_mul(x)
         self.write_kv(k, k, cache, to(np.arange(2)))
         meta = (to(np.array([[0, 1]], np.int32)), to(np.array([2], np.int32)))
         for n_new in (1, 2):  # decode route, prefill route

@@ -56,8 +56,12 @@ def _ranges(counts: np.ndarray) -> np.ndarray:
 
 def check_attention_metadata(block_tables: np.ndarray, seq_lens: np.ndarray,
                              query_start_loc: np.ndarray, num_tokens: int, num_blocks: int,
-                             block_size: int) -> None:
+                             block_size: int, window: int = 0) -> None:
     """Host checks of paged-attention metadata (as ``kvserve.cpu``'s kernel does).
+
+    ``window`` > 0 (sliding-window attention): the blocks wholly before the
+    window of a sequence's first new token are never read, so their ids are
+    not checked (the KV manager may have freed them).
 
     Raises ValueError: query_start_loc decreasing or outside [0, T], a
     sequence with fewer context than new tokens, a block table too narrow, or
@@ -75,7 +79,11 @@ def check_attention_metadata(block_tables: np.ndarray, seq_lens: np.ndarray,
     needed = np.where(active, -(-sl // block_size), 0)
     if (needed > block_tables.shape[1]).any():
         raise ValueError("paged_attention: block_tables too narrow for seq_lens")
-    used = block_tables[np.arange(block_tables.shape[1])[None, :] < needed[:, None]]
+    first = np.zeros_like(needed)
+    if window > 0:  # the first new token, at sl - n_new, sees keys from sl - n_new + 1 - window
+        first = np.maximum(sl - n_new + 1 - window, 0) // block_size
+    columns = np.arange(block_tables.shape[1])[None, :]
+    used = block_tables[(columns < needed[:, None]) & (columns >= first[:, None])]
     if used.size and (used.min() < 0 or used.max() >= num_blocks):
         raise ValueError(f"paged_attention: block id out of range [0, {num_blocks})")
 
@@ -158,6 +166,12 @@ def pack_step(arrays: dict[str, np.ndarray], num_tokens: int, num_seqs: int,
     return PackedStep(data, layout, num_tokens, num_seqs, decode_only, max_context, tile_q)
 
 
+def group_name(name: str, group: int) -> str:
+    """The packed name of KV-cache group ``group``'s (>= 1) ``slot_mapping``
+    or ``block_tables`` (group 0's keep the plain names)."""
+    return f"{name}_g{group}"
+
+
 @dataclass(frozen=True)
 class StepViews:
     """A step's arrays on the device: typed views into its one uploaded
@@ -167,6 +181,8 @@ class StepViews:
     int32[S, max_blocks]; ``seq_lens`` int32[S]; ``query_start_loc``
     int32[S + 1]; ``logits_indices`` int64[R]; the ``attention_plan`` lists
     (int32). ``decode_only``: every sequence has one new token.
+    ``group_tables``: ``(slot_mapping, block_tables)`` of KV-cache groups
+    1 .. G-1 (``BatchInputs.group_tables``' layout; empty with one group).
     """
 
     buffer: Any
@@ -198,6 +214,16 @@ class StepViews:
     @property
     def num_tiles(self) -> int:
         return int(self.packed.layout["tile_seq"][2][0])
+
+    @property
+    def group_tables(self) -> tuple[tuple[Any, Any], ...]:
+        """``(slot_mapping, block_tables)`` views of KV-cache groups 1 .. G-1."""
+        tables, g = [], 1
+        while group_name("slot_mapping", g) in self.arrays:
+            tables.append((self.arrays[group_name("slot_mapping", g)],
+                           self.arrays[group_name("block_tables", g)]))
+            g += 1
+        return tuple(tables)
 
     def owns(self, array: Any, pointer) -> bool:
         """Whether ``array`` lies inside this step's buffer (``pointer(a)``

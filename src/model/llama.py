@@ -8,7 +8,22 @@ request reusing prefix-cached blocks are all the same computation.
 
 Written once against ``kvserve.model.ops.Ops``; the backend (CPU or CUDA)
 supplies the kernels. Covers the ``llama``, ``mistral`` and ``qwen2``
-``model_type``s: GQA, optional q/k/v bias, tied or untied LM head, RoPE theta.
+``model_type``s: GQA, optional q/k/v bias, tied or untied LM head, RoPE theta;
+and Gemma 3 (``gemma3_text``) through ``ModelConfig`` fields, each a small
+piece of the same layer loop (Hugging Face ``modeling_gemma3.py``):
+
+- the embedding rows times ``embedding_multiplier`` (sqrt(hidden), float32);
+- every norm ``x * (1 + w)``: the offset is folded into the weights at load;
+- ``qk_norm``: RMSNorm of each query and key head (weight [head_dim]) before RoPE;
+- ``sandwich_norms``: the attention output and the MLP output are normed
+  before their residual adds (``post_attention_layernorm``,
+  ``post_feedforward_layernorm``) and the MLP input by its own norm
+  (``pre_feedforward_layernorm``, where Llama uses ``post_attention_layernorm``);
+- GeGLU (``gelu_tanh_and_mul``) instead of SwiGLU;
+- per layer a :class:`LayerRecipe`: sliding layers attend to their last
+  ``sliding_window`` positions with a RoPE base of ``rope_local_base_freq``,
+  full layers to the whole context with ``rope_theta``;
+- the attention scale ``query_pre_attn_scalar ** -0.5``.
 """
 
 from __future__ import annotations
@@ -19,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvserve.config import ModelConfig
-from kvserve.model.ggml_blocks import BlockQuantizedWeight, concat_rows
+from kvserve.core.kv_layout import model_kv_layout
+from kvserve.model.ggml_blocks import BlockQuantizedWeight, concat_rows, dequantize
 from kvserve.model.ops import Ops, StepGeometry, build_rope_cache
 from kvserve.model.quantization import LinearWeight, quantize_weight
 
@@ -54,7 +70,14 @@ class LayerWeights:
     """One decoder layer, with q/k/v and gate/up fused into single matrices.
 
     Shapes: ``qkv`` [(nh + 2 nkv) * hd, H], ``o_proj`` [H, nh * hd],
-    ``gate_up`` [2 I, H], ``down`` [H, I], norms [H].
+    ``gate_up`` [2 I, H], ``down`` [H, I], norms [H] (``q_norm``,
+    ``k_norm``: [hd]), with any norm offset already added.
+
+    ``post_norm`` is the norm of the MLP's input (Llama's
+    ``post_attention_layernorm``, Gemma's ``pre_feedforward_layernorm``);
+    Gemma alone has ``attn_out_norm`` (its ``post_attention_layernorm``, on
+    the attention output), ``mlp_out_norm`` (``post_feedforward_layernorm``)
+    and ``q_norm`` / ``k_norm``; they are None otherwise.
     """
 
     input_norm: Any
@@ -64,6 +87,25 @@ class LayerWeights:
     post_norm: Any
     gate_up: Any
     down: Any
+    q_norm: Any | None = None
+    k_norm: Any | None = None
+    attn_out_norm: Any | None = None
+    mlp_out_norm: Any | None = None
+
+
+@dataclass(frozen=True)
+class LayerRecipe:
+    """How one layer attends: its RoPE table (a backend array
+    [max_position, hd] from ``build_rope_cache``, shared by the layers of one
+    base) and its window (0: the whole causal context; else the sliding
+    window in tokens, ``Ops.paged_attention``)."""
+
+    rope_cache: Any
+    window: int
+
+
+#: The ``Ops`` method of each ``ModelConfig.hidden_activation``.
+_ACTIVATION_OPS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
 
 
 class LlamaModel:
@@ -78,6 +120,12 @@ class LlamaModel:
             and the LM head stay float), or ``q4``, with ``weights`` holding
             ``BlockQuantizedWeight`` s for the tensors the GGUF stores in blocks.
 
+    Attributes beyond the weights: ``rope_cache`` (the full layers' RoPE
+    table), ``recipes`` (one :class:`LayerRecipe` per layer), ``scale``
+    (``config.attention_scale``), ``kv_layout`` (the KV-cache groups of
+    ``kvserve.core.kv_layout``, whose ``layer_group[i]`` picks layer i's
+    metadata when ``hidden_states`` gets one ``AttentionMetadata`` per group).
+
     Raises:
         KeyError: a tensor the architecture needs is missing.
         ValueError: an unknown quantization.
@@ -89,7 +137,7 @@ class LlamaModel:
         self.ops = ops
         self.quantization = quantization
         self.embed_tokens = self._table(weights["model.embed_tokens.weight"])
-        self.final_norm = ops.to_device(weights["model.norm.weight"])
+        self.final_norm = self._norm(weights["model.norm.weight"])
         if config.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
@@ -97,7 +145,30 @@ class LlamaModel:
         self.layers = [self._load_layer(weights, i) for i in range(config.num_hidden_layers)]
         self.rope_cache = ops.to_device(build_rope_cache(
             config.head_dim, config.max_position_embeddings, config.rope_theta))
-        self.scale = config.head_dim ** -0.5
+        self.recipes = self._recipes()
+        self.scale = config.attention_scale
+        self.activation = getattr(ops, _ACTIVATION_OPS[config.hidden_activation])
+        self.kv_layout = model_kv_layout(config)
+
+    def _recipes(self) -> list[LayerRecipe]:
+        """Each layer's RoPE table and window: sliding layers get the table of
+        ``rope_local_base_freq`` (built once, if any layer slides), full
+        layers ``rope_cache``."""
+        cfg = self.config
+        windows = [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)]
+        local = self.rope_cache
+        base = cfg.rope_local_base_freq
+        if any(windows) and base is not None and base != cfg.rope_theta:
+            local = self.ops.to_device(build_rope_cache(
+                cfg.head_dim, cfg.max_position_embeddings, base))
+        return [LayerRecipe(local if w else self.rope_cache, w) for w in windows]
+
+    def _norm(self, weight: np.ndarray) -> Any:
+        """A norm weight on the backend with ``config.norm_offset`` added in
+        float32 (Gemma's ``1.0 + weight.float()``); unchanged without offset."""
+        if self.config.norm_offset:
+            weight = np.asarray(weight, np.float32) + np.float32(self.config.norm_offset)
+        return self.ops.to_device(weight)
 
     def _table(self, table: np.ndarray | BlockQuantizedWeight) -> LinearWeight:
         """An embedding / LM head table on the backend: dense, or (``q4``) GGUF blocks."""
@@ -118,14 +189,24 @@ class LlamaModel:
         def linear(weight: np.ndarray) -> LinearWeight:
             return quantize_weight(weight, self.quantization, to)
 
+        norm = self._norm
+        cfg = self.config
+        qk = ({"q_norm": norm(w[f"{p}self_attn.q_norm.weight"]),
+               "k_norm": norm(w[f"{p}self_attn.k_norm.weight"])} if cfg.qk_norm else {})
+        if cfg.sandwich_norms:
+            norms = {"post_norm": norm(w[f"{p}pre_feedforward_layernorm.weight"]),
+                     "attn_out_norm": norm(w[f"{p}post_attention_layernorm.weight"]),
+                     "mlp_out_norm": norm(w[f"{p}post_feedforward_layernorm.weight"])}
+        else:
+            norms = {"post_norm": norm(w[f"{p}post_attention_layernorm.weight"])}
         return LayerWeights(
-            input_norm=to(w[f"{p}input_layernorm.weight"]),
+            input_norm=norm(w[f"{p}input_layernorm.weight"]),
             qkv=linear(_fuse(attn)),
             qkv_bias=bias,
             o_proj=linear(w[f"{p}self_attn.o_proj.weight"]),
-            post_norm=to(w[f"{p}post_attention_layernorm.weight"]),
             gate_up=linear(gate_up),
             down=linear(w[f"{p}mlp.down_proj.weight"]),
+            **norms, **qk,
         )
 
     @property
@@ -159,15 +240,20 @@ class LlamaModel:
     def batch_hidden_states(self, batch: BatchInputs, kv_caches: list[Any]) -> Any:
         """``hidden_states`` of a host-built flat batch (``InputBatch.build``):
         its arrays checked and moved to the backend by ``Ops.prepare_step``
-        (one copy on a GPU); [R, H] for its ``logits_indices``."""
+        (one copy on a GPU); [R, H] for its ``logits_indices``. A batch with
+        several KV-cache groups (``batch.group_tables``) gets one
+        ``AttentionMetadata`` per group: its slot mapping and block tables
+        (the backend's step carries them as ``group_tables`` too)."""
         cache = kv_caches[0]
         step = self.ops.prepare_step(batch, StepGeometry(
             vocab_size=self.config.vocab_size, max_position=int(self.rope_cache.shape[0]),
             num_blocks=int(cache.shape[0]), block_size=int(cache.shape[2])))
-        attn = AttentionMetadata(slot_mapping=step.slot_mapping, block_tables=step.block_tables,
-                                 seq_lens=step.seq_lens, query_start_loc=step.query_start_loc,
-                                 plan=step)
-        return self.hidden_states(step.input_ids, step.positions, attn, kv_caches,
+        tables = [(step.slot_mapping, step.block_tables), *step.group_tables]
+        attn = [AttentionMetadata(slot_mapping=slots, block_tables=table, seq_lens=step.seq_lens,
+                                  query_start_loc=step.query_start_loc, plan=step)
+                for slots, table in tables]
+        return self.hidden_states(step.input_ids, step.positions,
+                                  attn[0] if len(attn) == 1 else attn, kv_caches,
                                   step.logits_indices)
 
     def hidden_states(self, input_ids: Any, positions: Any, attn: AttentionMetadata,
@@ -188,6 +274,10 @@ class LlamaModel:
         """
         ops, cfg = self.ops, self.config
         hidden = ops.embedding(input_ids, self.embed_tokens)
+        if cfg.embedding_multiplier != 1.0:
+            # Gemma: rows times sqrt(hidden) in the activations' dtype (HF's
+            # ``embeds * embed_scale.to(weight.dtype)``).
+            hidden = hidden * hidden.dtype.type(cfg.embedding_multiplier)
         # A backend may run a decode-only step's layers in one compiled call
         # (CpuOps.decode_layers); None where it does not apply.
         fused = getattr(ops, "decode_layers", None)
@@ -201,33 +291,78 @@ class LlamaModel:
 
     def _layers(self, hidden: Any, positions: Any, attn: AttentionMetadata,
                 kv_caches: list[Any]) -> tuple[Any, Any]:
-        """Every layer, op by op: ``(x, residual)`` before the final norm."""
+        """Every layer, op by op: ``(x, residual)`` before the final norm.
+
+        ``residual`` holds the residual stream; ``x`` what the next
+        ``fused_add_rms_norm`` adds to it: the attention output, then the
+        MLP output (each normed first where the layer has sandwich norms).
+        """
         ops, cfg = self.ops, self.config
         residual = hidden
         x = ops.rms_norm(hidden, self.layers[0].input_norm, cfg.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             if i > 0:
                 ops.fused_add_rms_norm(x, residual, layer.input_norm, cfg.rms_norm_eps)
-            x = self._attention(layer, x, positions, attn, kv_caches[i])
+            x = self._attention(i, layer, x, positions, self._layer_attn(attn, i), kv_caches[i])
+            if layer.attn_out_norm is not None:
+                x = ops.rms_norm(x, layer.attn_out_norm, cfg.rms_norm_eps)
             ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
-            x = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
+            x = ops.linear(self.activation(ops.linear(x, layer.gate_up)), layer.down)
+            if layer.mlp_out_norm is not None:
+                x = ops.rms_norm(x, layer.mlp_out_norm, cfg.rms_norm_eps)
         return x, residual
 
-    def _attention(self, layer: LayerWeights, x: Any, positions: Any,
+    def _layer_attn(self, attn: Any, i: int) -> AttentionMetadata:
+        """Layer ``i`` 's attention metadata: ``attn`` itself when one serves
+        every layer, else (a sequence, one per KV-cache group) the entry of
+        the layer's group, ``kv_layout.layer_group[i]``. Raises ValueError
+        for a sequence while the model has no ``kv_layout``."""
+        if not isinstance(attn, (list, tuple)):
+            return attn
+        if self.kv_layout is None:
+            raise ValueError("attention metadata per KV-cache group needs the model's kv_layout")
+        return attn[self.kv_layout.layer_group[i]]
+
+    def _attention(self, i: int, layer: LayerWeights, x: Any, positions: Any,
                    attn: AttentionMetadata, kv_cache: Any) -> Any:
+        """Layer ``i`` 's attention block: QKV product, (q/k norms,) RoPE with
+        the layer's table, K/V write, paged attention within the layer's
+        window, output product. [T, H] -> new [T, H]."""
         cfg, ops = self.config, self.ops
         hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
-        out = ops.rope_kv_attention(qkv, positions, self.rope_cache, kv_cache, attn, self.scale,
-                                    nh, nkv, hd)
+        if layer.q_norm is not None:
+            self._qk_norm(qkv, layer)
+        recipe = self.recipes[i]
+        # Only sliding layers pass a window: full ones call the op as before.
+        windowed = {"window": recipe.window} if recipe.window else {}
+        out = ops.rope_kv_attention(qkv, positions, recipe.rope_cache, kv_cache, attn,
+                                    self.scale, nh, nkv, hd, **windowed)
         return ops.linear(out.reshape(x.shape[0], nh * hd), layer.o_proj)
+
+    def _qk_norm(self, qkv: Any, layer: LayerWeights) -> None:
+        """In place on qkv [T, (nh + 2 nkv) * hd]: RMSNorm of every query head
+        with ``q_norm`` and every key head with ``k_norm`` (rows of head_dim;
+        Gemma3Attention's ``q_norm`` / ``k_norm``); values untouched."""
+        cfg, ops = self.config, self.ops
+        xp = getattr(ops, "xp", np)  # the backend's array module
+        t, hd = qkv.shape[0], cfg.head_dim
+        q_size = cfg.num_attention_heads * hd
+        for norm, lo, heads in ((layer.q_norm, 0, cfg.num_attention_heads),
+                                (layer.k_norm, q_size, cfg.num_key_value_heads)):
+            # contiguous rows of head_dim (one KV head: a strided view otherwise)
+            part = xp.ascontiguousarray(qkv[:, lo:lo + heads * hd]).reshape(t * heads, hd)
+            qkv[:, lo:lo + heads * hd] = ops.rms_norm(part, norm, cfg.rms_norm_eps).reshape(
+                t, heads * hd)
 
 
 def _fuse(weights: list) -> np.ndarray | BlockQuantizedWeight:
-    """Stack [out_i, in] weights along out: dense arrays or GGUF blocks of one kind."""
-    if all(isinstance(w, BlockQuantizedWeight) for w in weights):
+    """Stack [out_i, in] weights along out: GGUF blocks when all are blocks of
+    one kind; else float32, blocks dequantized (exact: ``d * q + m`` in
+    float32, the values the float checkpoint holds), as for a K-quant mix
+    whose ``attn_v`` alone is Q8_0 (Gemma 3 270M)."""
+    blocks = [w for w in weights if isinstance(w, BlockQuantizedWeight)]
+    if len(blocks) == len(weights) and len({(w.kind, w.shape[1]) for w in blocks}) == 1:
         return concat_rows(weights)
-    if any(isinstance(w, BlockQuantizedWeight) for w in weights):
-        raise ValueError("cannot fuse GGUF-block and float weights into one projection; "
-                         "the GGUF stores them in different types")
-    return np.concatenate(weights)
+    return np.concatenate([dequantize(w) if isinstance(w, BlockQuantizedWeight) else w
+                           for w in weights])

@@ -1,8 +1,11 @@
 """Load Hugging Face checkpoints: ``config.json`` -> :class:`ModelConfig`, safetensors -> numpy.
 
 Supported families: ``llama``, ``mistral`` and ``qwen2`` (all share the Llama tensor
-layout; qwen2 adds q/k/v biases). Weights keep their Hugging Face names and shapes,
-``[out_features, in_features]`` for linear layers.
+layout; qwen2 adds q/k/v biases), and Gemma 3's text model (``gemma3_text``, or
+``gemma3`` with a nested ``text_config``: q/k norms and four norms per layer).
+Weights keep their Hugging Face names and shapes, ``[out_features, in_features]``
+for linear layers; Gemma's norm weights keep their ``w`` (the model multiplies by
+``1 + w``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ import structlog
 
 from kvserve.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text", "gemma3")
+#: The Gemma 3 ``model_type`` s (``gemma3``: the multimodal wrapper, whose
+#: ``text_config`` is read; its vision tower is not served).
+GEMMA3_MODEL_TYPES = ("gemma3_text", "gemma3")
+#: Hugging Face ``Gemma3TextConfig`` defaults of the keys a config may omit.
+_GEMMA3_DEFAULTS = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                    "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh",
+                    "tie_word_embeddings": True, "max_position_embeddings": 131072}
 
 _log = structlog.get_logger()
 
@@ -33,14 +44,17 @@ def load_model_config(path: Path) -> ModelConfig:
     ``head_dim`` = hidden / heads, ``tie_word_embeddings`` False, ``rope_theta`` 10000,
     ``rms_norm_eps`` 1e-6, ``attention_bias`` True for qwen2 (q/k/v biases) and the
     ``attention_bias`` key otherwise. ``eos_token_id`` may be an int or a list; ids
-    from ``generation_config.json``, if present, are added. ``sliding_window`` is ignored.
+    from ``generation_config.json``, if present, are added. ``sliding_window`` is
+    ignored for the Llama family (:func:`_gemma3_fields` reads Gemma 3's keys).
 
     Args:
         path: checkpoint folder.
 
     Raises:
         FileNotFoundError: no ``config.json``.
-        ValueError: unsupported ``model_type`` (named in the message) or a missing key.
+        ValueError: unsupported ``model_type`` (named in the message), a missing key,
+            or a Gemma 3 feature the model code does not compute (soft-capping,
+            RoPE scaling, another activation; :func:`_gemma3_fields`).
     """
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -48,10 +62,21 @@ def load_model_config(path: Path) -> ModelConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{path / 'config.json'}: unsupported model_type {model_type!r} "
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    extra: dict[str, Any] = {}
+    if model_type in GEMMA3_MODEL_TYPES:
+        if model_type == "gemma3":
+            if not isinstance(cfg.get("text_config"), dict):
+                raise ValueError(f"{path / 'config.json'}: model_type 'gemma3' without a "
+                                 "'text_config' object")
+            outer = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
+            cfg = {**outer, **cfg["text_config"]}
+        cfg = {**_GEMMA3_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
     try:
+        if model_type in GEMMA3_MODEL_TYPES:
+            extra = _gemma3_fields(path, cfg)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        return ModelConfig(
+        fields = dict(
             name=path.name,
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -71,6 +96,57 @@ def load_model_config(path: Path) -> ModelConfig:
         )
     except KeyError as exc:
         raise ValueError(f"{path / 'config.json'}: missing key {exc.args[0]!r}") from None
+    try:
+        return ModelConfig(**{**fields, **extra})
+    except ValueError as exc:
+        raise ValueError(f"{path / 'config.json'}: {exc}") from None
+
+
+def _gemma3_fields(path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma 3 fields of :class:`ModelConfig` from a ``Gemma3TextConfig``
+    dict (defaults already merged in).
+
+    ``layer_types`` comes from the list when present, else from
+    ``sliding_window_pattern`` as Hugging Face derives it (layer i is full
+    iff ``(i + 1) % pattern == 0``: 6 gives layers 5, 11, 17, ... full).
+    Raises ValueError (naming the file) for what this model code does not
+    compute: logit soft-capping, RoPE scaling, another activation.
+    """
+    where = path / "config.json"
+    for key in ("final_logit_softcapping", "attn_logit_softcapping", "rope_scaling"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"{where}: {key} = {cfg[key]!r} is not supported (Gemma 3 "
+                             "without soft-capping or RoPE scaling only, as the 270M and 1B)")
+    rope_theta, local_theta = cfg["rope_theta"], cfg["rope_local_base_freq"]
+    params = cfg.get("rope_parameters")  # transformers 5: one dict per attention type
+    if isinstance(params, dict) and "full_attention" in params:
+        for kind in ("full_attention", "sliding_attention"):
+            if params.get(kind, {}).get("rope_type", "default") != "default":
+                raise ValueError(f"{where}: rope_parameters[{kind!r}] has rope_type "
+                                 f"{params[kind]['rope_type']!r}; only 'default' is supported")
+        rope_theta = params["full_attention"].get("rope_theta", rope_theta)
+        local_theta = params.get("sliding_attention", {}).get("rope_theta", local_theta)
+    if cfg["hidden_activation"] not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"{where}: hidden_activation {cfg['hidden_activation']!r} is not "
+                         "supported (gelu_pytorch_tanh)")
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(cfg["sliding_window_pattern"])
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(layers)]
+    return {
+        "layer_types": tuple(types),
+        "sliding_window": int(cfg["sliding_window"]),
+        "rope_theta": float(rope_theta),
+        "rope_local_base_freq": float(local_theta),
+        "query_pre_attn_scalar": float(cfg["query_pre_attn_scalar"]),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "norm_offset": 1.0,
+        "embedding_multiplier": float(int(cfg["hidden_size"]) ** 0.5),
+        "qk_norm": True,
+        "sandwich_norms": True,
+    }
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -93,7 +169,9 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Required tensor names and their HF shapes for ``config``.
 
     ``lm_head.weight`` is included only when the embeddings are not tied; q/k/v
-    biases only when ``config.attention_bias``.
+    biases only when ``config.attention_bias``; ``self_attn.{q,k}_norm.weight``
+    ([head_dim]) when ``config.qk_norm``; ``{pre,post}_feedforward_layernorm.weight``
+    when ``config.sandwich_norms``.
     """
     h, hd, ffn = config.hidden_size, config.head_dim, config.intermediate_size
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
@@ -110,6 +188,11 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.down_proj.weight": (h, ffn),
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
     }
+    if config.qk_norm:
+        layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    if config.sandwich_norms:
+        layer.update({"pre_feedforward_layernorm.weight": (h,),
+                      "post_feedforward_layernorm.weight": (h,)})
     if config.attention_bias:
         layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                       "self_attn.v_proj.bias": (kv,)})
@@ -234,16 +317,34 @@ def find_gguf(path: Path) -> Path:
     return found[0]
 
 
+#: The converted folder's cache of a K-quant mix's blocks (version 1 of the
+#: requantization rule, ``gguf_blocks._q8_0_bytes``).
+REQUANTIZED_BLOCKS_FILE = "gguf-blocks-q8_0-v1.npz"
+
+
 def load_gguf_blocks(path: Path, config: ModelConfig) -> dict[str, Any]:
     """``{hf_name: BlockQuantizedWeight}`` of every Q4_0 / Q4_1 / Q8_0 tensor of
     the GGUF in ``path`` (:func:`find_gguf`), shapes checked against ``config``.
 
+    Tensors of other types (a K-quant mix's Q5_0, Q4_K, Q6_K) are
+    requantized to Q8_0. Where any was, the result is kept in ``path /
+    REQUANTIZED_BLOCKS_FILE`` and read from there on the next start: reading
+    a GGUF of a 262,144-token vocabulary and requantizing takes most of a
+    start (``gguf``'s reader parses every token string).
+
     Raises FileNotFoundError / ValueError as :func:`find_gguf` and
-    ``ggml_blocks.read_gguf_blocks`` do.
+    ``gguf_blocks.read_model_blocks`` do.
     """
-    from kvserve.model.ggml_blocks import read_gguf_blocks
+    from kvserve.model.gguf_blocks import load_block_cache, read_model_blocks, save_block_cache
 
     shapes = expected_tensor_shapes(config)
     shapes.update(_optional_tensor_shapes(config))
-    return read_gguf_blocks(find_gguf(path), shapes, config.num_attention_heads,
-                            config.num_key_value_heads)
+    cache = Path(path) / REQUANTIZED_BLOCKS_FILE
+    blocks = load_block_cache(cache) if cache.is_file() else None
+    if blocks is not None and all(shapes.get(n) == w.shape for n, w in blocks.items()):
+        return blocks
+    blocks = read_model_blocks(find_gguf(path), shapes, config.num_attention_heads,
+                               config.num_key_value_heads)
+    if any("<" in w.ggml_type for w in blocks.values()):
+        save_block_cache(cache, blocks)
+    return blocks

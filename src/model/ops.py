@@ -18,6 +18,12 @@ Paged KV cache and attention metadata (DESIGN.md section 3, vLLM's layout):
   so new token i of s is at position ``seq_lens[s] - n_new_s + i``.
 * ``block_tables``: int32[S, max_blocks]; physical block ids in logical order
   (entries beyond the used ones are ignored).
+* ``window`` (attention of a sliding-window layer, Gemma 3): 0 = full causal
+  attention; ``window`` > 0: the query at position p sees the keys at positions
+  j with ``p - window < j <= p``. Blocks wholly before the window of a
+  sequence's first new token may hold another request's K/V (the KV manager
+  frees them): a kernel never reads them (a NaN there must not reach the
+  output), and their block-table entries are not checked.
 
 Errors: inconsistent shapes, dtypes that cannot be used in place, and indices
 out of range (token ids, slots, block ids, positions) raise ``ValueError``.
@@ -104,8 +110,10 @@ class Ops(Protocol):
         ...
 
     def paged_attention(self, q: Any, kv_cache: Any, block_tables: Any, seq_lens: Any,
-                        query_start_loc: Any, scale: float, plan: Any = None) -> Any:
-        """Causal attention of every new token over its sequence's paged context.
+                        query_start_loc: Any, scale: float, plan: Any = None,
+                        window: int = 0) -> Any:
+        """Causal attention of every new token over its sequence's paged context
+        (over its last ``window`` positions when ``window`` > 0; module doc).
 
         q: [T, nh, hd]; kv_cache as above (the new tokens' K/V already
         written); block_tables: int32[S, max_blocks]; seq_lens: int32[S];
@@ -120,11 +128,11 @@ class Ops(Protocol):
 
     def rope_kv_attention(self, qkv: Any, positions: Any, cos_sin_cache: Any, kv_cache: Any,
                           attn: Any, scale: float, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> Any:
+                          head_dim: int, window: int = 0) -> Any:
         """The attention block after the fused QKV projection:
         ``rotary_embedding`` of q and k, ``write_kv`` of k and v, then
-        ``paged_attention`` (``compose_rope_kv_attention`` is the reference
-        composition; a backend may fuse it).
+        ``paged_attention`` with ``window`` (``compose_rope_kv_attention`` is
+        the reference composition; a backend may fuse it).
 
         qkv: [T, (nh + 2 nkv) * hd] (query heads, key heads, value heads);
         positions: int64[T]; attn: the step's ``AttentionMetadata``.  Returns
@@ -150,6 +158,17 @@ class Ops(Protocol):
         """
         ...
 
+    def gelu_tanh_and_mul(self, x: Any) -> Any:
+        """``gelu_tanh(x[:, :I]) * x[:, I:]`` (GeGLU, Gemma's MLP), with
+        ``gelu_tanh(a) = 0.5 a (1 + tanh(sqrt(2 / pi) (a + 0.044715 a**3)))``
+        (PyTorch's ``gelu(approximate="tanh")``, Hugging Face's
+        ``gelu_pytorch_tanh``).
+
+        x: [T, 2*I] (gate then up).  Returns a new [T, I].  Raises ValueError
+        for an odd last dimension.
+        """
+        ...
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_dim: int) -> Any:
         """One layer's zeroed KV cache, [num_blocks, 2, block_size, nkv, hd]."""
@@ -166,9 +185,11 @@ class Ops(Protocol):
 
 def compose_rope_kv_attention(ops: Ops, qkv: Any, positions: Any, cos_sin_cache: Any,
                               kv_cache: Any, attn: Any, scale: float, num_heads: int,
-                              num_kv_heads: int, head_dim: int) -> Any:
+                              num_kv_heads: int, head_dim: int, window: int = 0) -> Any:
     """``Ops.rope_kv_attention`` as three ops: q and k copied out of ``qkv``
-    and rotated, k and v (a view of ``qkv``) written, then paged attention.
+    and rotated, k and v (a view of ``qkv``) written, then paged attention
+    (``window`` passed on only when > 0, so that full attention calls
+    ``paged_attention`` exactly as before windows existed).
     Shapes and errors as ``Ops.rope_kv_attention``."""
     t = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -177,9 +198,10 @@ def compose_rope_kv_attention(ops: Ops, qkv: Any, positions: Any, cos_sin_cache:
     v = qkv[:, q_size + kv_size:].reshape(t, num_kv_heads, head_dim)
     ops.rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
     ops.write_kv(k.reshape(t, num_kv_heads, head_dim), v, kv_cache, attn.slot_mapping)
+    windowed = {"window": int(window)} if window else {}
     return ops.paged_attention(q.reshape(t, num_heads, head_dim), kv_cache, attn.block_tables,
                                attn.seq_lens, attn.query_start_loc, scale,
-                               plan=getattr(attn, "plan", None))
+                               plan=getattr(attn, "plan", None), **windowed)
 
 
 def build_rope_cache(head_dim: int, max_position: int, theta: float) -> np.ndarray:

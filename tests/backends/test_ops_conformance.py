@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
-from ops_references import (BS, HD, paged_batch, ref_rms_norm, ref_rope, reference_attention,
-                            rel_err)
+from ops_references import (BS, HD, paged_batch, ref_gelu_tanh_and_mul, ref_rms_norm, ref_rope,
+                            reference_attention, rel_err)
 
 from kvserve.model.ggml_blocks import dequantize, from_gguf_bytes
 from kvserve.model.input_batch import BatchInputs
@@ -149,6 +149,26 @@ def test_silu_and_mul(backend_ops):
     assert rel_err(out, a / (1 + np.exp(-a)) * b) < be.rel
     with pytest.raises(ValueError):
         be.ops.silu_and_mul(be.to(np.ones((2, 5))))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # a**3, simulator
+def test_gelu_tanh_and_mul(backend_ops):
+    """GeGLU with PyTorch's tanh GELU; the rows of moderate values and the
+    row of large ones (a**3 overflows float16 from |a| = 41 and float32 at
+    1e13: tanh is then +-1 and the result a * b or 0) each against their
+    own scale."""
+    be = backend_ops
+    x = np.random.default_rng(16).standard_normal((4, 2 * 9)) * 3
+    x[3, :5] = [-200.0, 200.0, -30.0, 30.0, -7.0]
+    if be.dtype == np.float32:
+        x[3, 2:4] = [-1e13, 1e13]
+    ref = ref_gelu_tanh_and_mul(be.rounded(x))
+    out = be.back(be.ops.gelu_tanh_and_mul(be.to(x)))
+    assert out.shape == (4, 9) and out.dtype == be.dtype and np.isfinite(out).all()
+    assert rel_err(out[:3], ref[:3]) < be.rel
+    assert rel_err(out[3], ref[3]) < be.rel
+    with pytest.raises(ValueError):
+        be.ops.gelu_tanh_and_mul(be.to(np.ones((2, 5))))
 
 
 # --------------------------------------------------------------------------- #
@@ -293,6 +313,44 @@ def test_paged_attention(backend_ops, case):
     assert rel_err(out, ref) < be.rel
 
 
+#: Sliding-window cases (Gemma 3): the blocks wholly before a sequence's
+#: first window are NaN (``ops_references.stale_blocks``).
+WINDOW_CASES = {
+    # one sequence within its window, the others beyond; window 5 is no
+    # multiple of the block size
+    "decode-beyond-window": {"seqs": [(9, 1), (3, 1), (3 * BS, 1), (0, 1)], "window": 5},
+    # chunks whose queries' windows start in different blocks; a fresh
+    # prompt longer than the window
+    "prefill-across-window": {"seqs": [(6, 7), (0, 9), (2, 3)], "window": 4},
+    "window-of-one": {"seqs": [(5, 2), (0, 3)], "window": 1},
+    "window-of-a-block-gqa-3": {"seqs": [(10, 2), (1, 5)], "group": 3, "window": BS},
+    # 17 new tokens: the CPU's BLAS prefill route
+    "long-chunk-and-padding": {"seqs": [(20, 17), (11, 1)], "window": 6, "pad_tokens": 2},
+}
+
+
+@pytest.mark.parametrize("case", sorted(WINDOW_CASES))
+def test_paged_attention_windowed(backend_ops, case):
+    """The query at position p sees keys p - window < j <= p, and no NaN of
+    the blocks before a sequence's window reaches the output."""
+    be = backend_ops
+    kw = {"group": 1, "pad_tokens": 0, **WINDOW_CASES[case]}
+    rng = np.random.default_rng(15)
+    q, cache, bt, sl, qsl, dense = paged_batch(rng, kw["seqs"], 2, kw["group"], kw["pad_tokens"],
+                                               window=kw["window"])
+    out = be.back(be.ops.paged_attention(be.to(q), be.to(cache), be.to(bt), be.to(sl),
+                                         be.to(qsl), HD ** -0.5, window=kw["window"]))
+    assert out.dtype == be.dtype and out.shape == q.shape
+    assert not np.isnan(out).any()
+    assert not out[int(qsl[-1]):].any()
+    dense = [be.rounded(kv) for kv in dense]
+    ref = reference_attention(be.rounded(q), kw["seqs"], qsl, dense, HD ** -0.5,
+                              window=kw["window"])
+    assert rel_err(out, ref) < be.rel
+    full = reference_attention(be.rounded(q), kw["seqs"], qsl, dense, HD ** -0.5)
+    assert rel_err(full, ref) > 100 * be.rel or kw["window"] > max(c + n for c, n in kw["seqs"])
+
+
 def test_paged_attention_no_sequences_and_bad_metadata(backend_ops):
     be = backend_ops
     q = be.to(np.ones((3, 2, HD)))
@@ -353,15 +411,19 @@ def test_prepare_step_puts_the_batch_on_the_backend(backend_ops):
                                       err_msg=name)
 
 
-@pytest.mark.parametrize("seqs, heads", [
-    ([(3, 1), (8, 1), (0, 1)], (6, 2)),      # a decode step (CUDA: the fused kernel)
-    ([(5, 1), (2, 3)], (4, 4)),              # decode and prefill mixed: the three ops
-], ids=["decode", "mixed"])
-def test_rope_kv_attention_equals_rope_write_and_attention(backend_ops, seqs, heads):
+@pytest.mark.parametrize("seqs, heads, window", [
+    ([(3, 1), (8, 1), (0, 1)], (6, 2), 0),   # a decode step (CUDA: the fused kernel)
+    ([(5, 1), (2, 3)], (4, 4), 0),           # decode and prefill mixed: the three ops
+    ([(9, 1), (12, 1), (2, 1)], (6, 2), 5),  # a sliding layer's decode step
+    ([(9, 1), (7, 4)], (4, 2), 3),           # ... and a mixed one
+], ids=["decode", "mixed", "windowed-decode", "windowed-mixed"])
+def test_rope_kv_attention_equals_rope_write_and_attention(backend_ops, seqs, heads, window):
     """On a step planned by ``prepare_step``: RoPE of q and k, k and v
-    written at their slots, paged attention over the whole context."""
+    written at their slots, paged attention over the whole context (over
+    the last ``window`` positions when ``window`` > 0)."""
     be = backend_ops
     nh, nkv = heads
+    windowed = {"window": window} if window else {}
     rng = np.random.default_rng(14)
     batch, cache, geometry = step_case(rng, seqs, nkv)
     T = batch.input_ids.shape[0]
@@ -372,7 +434,7 @@ def test_rope_kv_attention_equals_rope_write_and_attention(backend_ops, seqs, he
                              plan.query_start_loc, plan=plan)
     d_cache = be.to(cache)
     out = be.back(be.ops.rope_kv_attention(be.to(qkv), plan.positions, be.to(table), d_cache,
-                                           attn, HD ** -0.5, nh, nkv, HD))
+                                           attn, HD ** -0.5, nh, nkv, HD, **windowed))
     assert out.dtype == be.dtype and out.shape == (T, nh, HD)
 
     pos, table64, qkv64 = batch.positions, be.rounded(table), be.rounded(qkv)
@@ -389,6 +451,6 @@ def test_rope_kv_attention_equals_rope_write_and_attention(backend_ops, seqs, he
         ctx = np.arange(c + n)
         rows = expected[batch.block_tables[s, ctx // BS], :, ctx % BS]  # [L, 2, nkv, hd]
         dense.append(be.rounded(rows.transpose(1, 0, 2, 3)))
-    ref = reference_attention(q, seqs, batch.query_start_loc, dense, HD ** -0.5)
+    ref = reference_attention(q, seqs, batch.query_start_loc, dense, HD ** -0.5, window=window)
     assert rel_err(out, ref) < 2 * be.rel
 
