@@ -17,6 +17,7 @@ import structlog
 
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_layout import model_kv_layout
 from kvserve.core.scheduler import Scheduler
 from kvserve.distributed.kv_connector import (KVConnector, KVLayout, build_kv_connector,
                                               log_offload_tier)
@@ -95,6 +96,20 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
                       plan.max_model_len, layout)
 
 
+def _check_sliding_layers(config: EngineConfig, model: ModelConfig) -> None:
+    """Refuse, for a model with sliding-window layers, what does not run
+    with several KV-cache groups yet: the offload tier (its blocks hold every
+    layer) and speculative decoding (rejected drafts move a request back
+    behind blocks its window already freed). Raises ``ValueError``."""
+    if not model_kv_layout(model).is_hybrid:
+        return
+    name = f"{model.name} has sliding-window layers"
+    if config.cache.kv_offloading_size or config.cache.kv_offloading_path:
+        raise ValueError(f"{name}: --kv-offloading-size does not take such a model yet")
+    if config.scheduler.speculative is not None:
+        raise ValueError(f"{name}: --speculative-config does not take such a model yet")
+
+
 def check_before_load(config: EngineConfig, max_model_len: int | None = None) -> None:
     """Judge, before any weight loads, what ``kvserve plan`` judges from
     ``config.json`` and the safetensors headers alone, so that a mistake
@@ -123,13 +138,15 @@ def check_before_load(config: EngineConfig, max_model_len: int | None = None) ->
         raise ValueError(f"--max-model-len {max_model_len} is larger than the model's context "
                          f"length, {context} tokens (max_position_embeddings in "
                          f"{path / 'config.json'}); give at most {context}")
+    _check_sliding_layers(config, model)
     if config.backend != "cpu":
         return
     spec = config.scheduler.speculative
     draft = (load_model_config(Path(spec.model))
              if spec is not None and spec.uses_draft_model else None)
     requested = max_model_len or context
-    plan = plan_kv_cache(model, config.cache, requested, CPU_DTYPE_BYTES, draft)
+    plan = plan_kv_cache(model, config.cache, requested, CPU_DTYPE_BYTES, draft,
+                         config.scheduler.max_num_batched_tokens)
     if max_model_len is not None and plan.num_tokens < max_model_len:
         raise ValueError(
             f"--max-model-len {max_model_len} needs {max_model_len * plan.bytes_per_token:,} "
@@ -154,14 +171,15 @@ class _LoadedModel(NamedTuple):
 
 
 def _load_checkpoint(config: EngineConfig) -> tuple[Path, ModelConfig, Tokenizer]:
-    """The checkpoint folder, its ``ModelConfig`` and tokenizer; logs
-    ``engine_loading`` first. Raises what the loader raises (a missing or
-    unreadable checkpoint)."""
+    """The checkpoint folder, its ``ModelConfig`` and tokenizer (with the
+    ``--chat-template`` text, when given); logs ``engine_loading`` first.
+    Raises what the loader raises (a missing or unreadable checkpoint)."""
     path = Path(config.model)
     log.info("engine_loading", model=str(path), message=f"Loading {path.name} "
              f"({sum(p.stat().st_size for p in path.glob('*.safetensors')) / 2**20:,.1f} MiB "
              f"of safetensors) on the {config.backend} backend...")
-    return path, load_model_config(path), Tokenizer(path)
+    # ``EngineConfig.chat_template`` (``--chat-template``) replaces the checkpoint's.
+    return path, load_model_config(path), Tokenizer(path, config.chat_template)
 
 
 def _load_model(config: EngineConfig, path: Path, model_config: ModelConfig,
@@ -197,7 +215,8 @@ def _size_kv_cache(config: EngineConfig, model_config: ModelConfig, backend: Bac
         config.cache.block_size))
     draft = loaded.draft.config if loaded.draft is not None else None
     plan = cap_to_cache(plan_kv_cache(model_config, replace(config.cache, kv_cache_memory=kv_bytes),
-                                      requested, backend.dtype.itemsize, draft))
+                                      requested, backend.dtype.itemsize, draft,
+                                      config.scheduler.max_num_batched_tokens))
     if plan.max_model_len < requested:
         log.warning("max_model_len_capped", max_model_len=plan.max_model_len,
                     requested=requested,
@@ -250,8 +269,9 @@ def _build_scheduler(config: EngineConfig, plan: KVCachePlan, layout: KVLayout,
     tier = connector.tier if connector is not None else None
     use_tier = tier is not None and config.cache.enable_prefix_caching
     external = layout.attach_tier(tier.path) if use_tier else None
+    windows = plan.layout.windows if plan.layout is not None else (None,)
     kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching,
-                        external=external)
+                        external=external, windows=windows)
     return Scheduler(replace(config.scheduler, max_model_len=plan.max_model_len), kv,
                      plan.block_size)
 
@@ -260,7 +280,14 @@ def _log_ready(config: EngineConfig, path: Path, backend: Backend, plan: KVCache
                weights_bytes: int, seconds: float) -> None:
     """The start-up lines: ``kv_cache_size``, ``max_concurrency``,
     ``speculative_config``, ``scheduler_config``, ``engine_loaded``."""
-    log.info("kv_cache_size", message=f"KV cache size: {plan.num_tokens:,} tokens",
+    groups = ""
+    if plan.layout is not None:
+        windows = plan.layout.windows
+        sliding = [g for g in plan.layout.groups if g.window is not None]
+        groups = (f" for one request ({len(windows)} block tables of "
+                  f"{plan.layout.group_size} layers; the {sum(len(g.layers) for g in sliding)} "
+                  f"sliding-window layers keep {sliding[0].window:,} tokens)")
+    log.info("kv_cache_size", message=f"KV cache size: {plan.num_tokens:,} tokens{groups}",
              num_tokens=plan.num_tokens, num_blocks=plan.num_blocks,
              block_size=plan.block_size, kv_bytes_per_token=plan.bytes_per_token)
     max_len = plan.max_model_len

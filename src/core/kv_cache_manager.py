@@ -15,8 +15,11 @@ holds what; the tensors live in the model runner. Design after vLLM v1's
   its head blocks. Unlike vLLM, freed blocks that carry *no* hash go to the
   head of the queue: they hold nothing reusable, so they should be reused
   before any cached block is evicted.
-- All blocks are allocatable; there is no reserved "null" block (block 0 is
-  an ordinary block), as we never need a placeholder block id.
+- All blocks are allocatable, except for a model with sliding-window layers
+  (``windows``: KV-cache groups, ``kvserve.core.kv_layout``): there block 0
+  is the reserved *null block* (vLLM's ``null_block``) that stands in a
+  sliding group's table for a block freed behind the window; it is never
+  written and never read.
 
 Counts are in blocks unless named ``*_tokens``.
 """
@@ -125,9 +128,9 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 events: KVEventLog | None = None) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+                 events: KVEventLog | None = None, reserve_null: bool = False) -> None:
+        if num_blocks < 1 + reserve_null:
+            raise ValueError(f"num_blocks must be >= {1 + reserve_null}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         #: Where hash registrations and evictions are recorded (None: nowhere).
@@ -142,6 +145,16 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
         self.content_index: dict[bytes, dict[int, dict[int, None]]] = {}
+        #: The reserved null block (block 0, held forever), or None.
+        self.null_block: KVCacheBlock | None = None
+        if reserve_null:
+            self.null_block = self.free_queue.popleft()
+            self.null_block.ref_cnt = 1
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks a request can hold: all but the null block."""
+        return self.num_blocks - (self.null_block is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -150,8 +163,8 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction (0..1) of blocks held by at least one request."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """Fraction (0..1) of the usable blocks held by at least one request."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         """The block registered under ``block_hash`` (free or in use), or None."""
@@ -295,7 +308,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no block is in use;
         returns False (and changes nothing) otherwise."""
-        if self.num_free_blocks != self.num_blocks:
+        if self.num_free_blocks != self.num_usable_blocks:
             return False
         for block in self.blocks:
             self._evict(block)
@@ -376,19 +389,48 @@ class KVCacheManager:
     replica finds a whole prefix, as vLLM's CPU offloading and LMCache
     store every computed block), and ``get_external_blocks`` extends a
     prefix-cache hit with the blocks the tier holds.
+
+    ``windows``: one entry per KV-cache group (``kvserve.core.kv_layout``),
+    None for a full-attention group or the window in tokens of a
+    sliding-window one; the default is one full group, a single block table.
+    With G groups a request's block table is flat and interleaved: logical
+    block j of group g is entry ``j * G + g`` (so the per-step deltas and
+    the runner's table stay append-only lists). When a request advances,
+    the blocks of its sliding groups that lie wholly before the window of
+    its next token are freed (vLLM's ``SlidingWindowManager.
+    remove_skipped_blocks``) and their entries become the null block; a
+    prefix-cache hit needs, in a sliding group, only the blocks inside the
+    window of its first computed token (vLLM's sliding-window
+    ``find_longest_cache_hit``). Group g > 0 registers a block under the
+    request's block hash salted with g, so the groups' copies of one
+    logical block are distinct cache entries. No offload tier and no
+    ``adopt`` with sliding groups (``ValueError``).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  track_content_hashes: bool | None = None,
-                 events: KVEventLog | None = None, external: ExternalKV | None = None) -> None:
+                 events: KVEventLog | None = None, external: ExternalKV | None = None,
+                 windows: Sequence[int | None] = (None,)) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        sliding = {window for window in windows if window is not None}
+        if not windows or len(sliding) > 1 or any(window < 1 for window in sliding):
+            raise ValueError(f"windows must name one or more groups with at most one positive "
+                             f"sliding window, got {tuple(windows)}")
         self.block_size = block_size
+        #: Block tables per request (KV-cache groups) and each group's window.
+        self.num_groups = len(windows)
+        self.windows = tuple(windows)
+        #: The sliding window of the sliding groups (tokens), or None.
+        self.window: int | None = next(iter(sliding), None)
+        self._sliding_groups = [g for g, window in enumerate(windows) if window is not None]
         self.enable_prefix_caching = enable_prefix_caching
         if track_content_hashes is None:
             track_content_hashes = enable_prefix_caching
         self.track_content_hashes = track_content_hashes and enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, events)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, events,
+                              reserve_null=self.window is not None)
+        self.null_block = self.pool.null_block
         self.external: ExternalKV | None = None
         self.set_external(external)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -398,12 +440,35 @@ class KVCacheManager:
         self.req_content_hashes: dict[str, list[bytes]] = {}
         #: owner -> blocks ``adopt`` holds for it (see ``release_adopted``)
         self.adopted: dict[str, list[KVCacheBlock]] = {}
+        #: request id -> logical blocks whose sliding-group entries are null
+        self.num_skipped: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
     def num_blocks(self) -> int:
-        """Total blocks in the cache."""
-        return self.pool.num_blocks
+        """Blocks requests can hold (all but the null block, if any)."""
+        return self.pool.num_usable_blocks
+
+    def max_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
+        """Most blocks a request of ``num_tokens`` tokens holds at once when
+        each step computes at most ``chunk_tokens`` of them (see
+        ``KVCacheLayout.max_blocks``; with one full group, one block per
+        ``block_size`` tokens)."""
+        full = cdiv(num_tokens, self.block_size)
+        if self.window is None:
+            return full * self.num_groups
+        behind = min(full, cdiv(self.window - 1 + chunk_tokens, self.block_size) + 1)
+        return sum(full if window is None else behind for window in self.windows)
+
+    def _group_hash(self, block_hash: bytes, group: int) -> bytes:
+        """The key of group ``group``'s copy of a block in the cache."""
+        return block_hash if group == 0 else block_hash + b"/g%d" % group
+
+    def _first_needed_block(self, num_computed: int) -> int:
+        """The first logical block a sliding group still needs once
+        ``num_computed`` tokens are computed: the next token, at position
+        ``num_computed``, sees keys after ``num_computed - window``."""
+        return max(0, num_computed - self.window + 1) // self.block_size
 
     @property
     def num_free_blocks(self) -> int:
@@ -449,6 +514,8 @@ class KVCacheManager:
             return [], 0
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.num_groups > 1:
+            return self._group_hits(request.block_hashes[:max_blocks])
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)
@@ -457,9 +524,41 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def _group_hits(self, hashes: Sequence[bytes]) -> tuple[list[KVCacheBlock], int]:
+        """``get_computed_blocks`` with several groups: the longest prefix of
+        n blocks that every full group holds whole and every sliding group
+        holds from its first needed block on; the flat hit list (null
+        blocks where a sliding group needs none)."""
+        get, key = self.pool.get_cached_block, self._group_hash
+        n = len(hashes)
+        for g, window in enumerate(self.windows):
+            if window is None:
+                chain = 0
+                while chain < n and get(key(hashes[chain], g)) is not None:
+                    chain += 1
+                n = chain
+        found = {g: [get(key(h, g)) for h in hashes[:n]] for g in self._sliding_groups}
+        while n > 0:
+            first = self._first_needed_block(n * self.block_size) if self.window else 0
+            if all(block is not None for g in self._sliding_groups for block in found[g][first:n]):
+                break
+            n -= 1
+        first = self._first_needed_block(n * self.block_size) if self.window else 0
+        hits: list[KVCacheBlock] = []
+        for j in range(n):
+            for g, window in enumerate(self.windows):
+                if window is None:
+                    hits.append(get(key(hashes[j], g)))
+                else:
+                    hits.append(found[g][j] if j >= first else self.null_block)
+        return hits, n * self.block_size
+
     def set_external(self, external: ExternalKV | None) -> None:
         """Use ``external`` as the offload tier from now on (None: none);
         ignored when prefix caching is off."""
+        if external is not None and self.num_groups > 1:
+            raise ValueError("the KV offload tier takes single-group models only (no "
+                             "sliding-window layers)")
         self.external = external if self.enable_prefix_caching else None
         self.pool.record_offload = self.external is not None
 
@@ -510,7 +609,10 @@ class KVCacheManager:
         replica's export). Held blocks cannot be evicted until
         ``release_adopted(owner)``. Stops at the first hash it finds no free
         block for; never preempts. Returns the newly registered blocks, in
-        the order of their hashes (none when caching is off)."""
+        the order of their hashes (none when caching is off). Raises
+        ``ValueError`` for a cache with several groups."""
+        if self.num_groups > 1:
+            raise ValueError("KV transfer between replicas takes single-group models only")
         if not self.enable_prefix_caching:
             return []
         held, adopted = self.adopted.setdefault(owner, []), []
@@ -546,27 +648,55 @@ class KVCacheManager:
         (possibly empty), or None -- with nothing changed -- when too few
         blocks are free. Records prefix-cache stats (tokens) on a request's
         first allocation. Raises ``ValueError`` if hits are passed for a
-        request that already holds blocks.
+        request that already holds blocks. With sliding groups, first frees
+        the blocks behind the window of ``request.num_computed_tokens``
+        (``_free_skipped``), even when it then returns None.
         """
         held = self.req_to_blocks.get(request.request_id)
         if held and new_computed_blocks:
             raise ValueError("prefix-cache hits can only be added on a request's first allocation")
-        num_held = len(held) if held else 0
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        groups = self.num_groups
+        if held and self.window is not None:
+            self._free_skipped(request.request_id, request.num_computed_tokens)
+        num_hit = len(new_computed_blocks) // groups
+        num_held = len(held) // groups if held else 0
+        num_computed = request.num_computed_tokens + num_hit * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_new_blocks = max(0, num_required - num_held - len(new_computed_blocks))
+        num_new_blocks = max(0, num_required - num_held - num_hit) * groups
         num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
             return None
         if held is None:
             held = self.req_to_blocks[request.request_id] = []
-            self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
-            self._record_query(request, len(new_computed_blocks))
-        self.pool.touch(new_computed_blocks)
+            self.num_cached_blocks[request.request_id] = num_hit
+            if self.window is not None:
+                self.num_skipped[request.request_id] = self._first_needed_block(
+                    num_hit * self.block_size) if num_hit else 0
+            self._record_query(request, num_hit)
+        self.pool.touch(block for block in new_computed_blocks if block is not self.null_block)
         held.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         held.extend(new_blocks)
         return new_blocks
+
+    def _free_skipped(self, request_id: str, num_computed: int) -> None:
+        """Free the request's sliding-group blocks wholly behind the window of
+        its next token (at position ``num_computed``); their entries become
+        the null block. The oldest are freed first, so evicted first."""
+        blocks, groups = self.req_to_blocks[request_id], self.num_groups
+        start = self.num_skipped.get(request_id, 0)
+        first = min(self._first_needed_block(num_computed), len(blocks) // groups)
+        if first <= start:
+            return
+        freed = []
+        for j in range(start, first):
+            for g in self._sliding_groups:
+                block = blocks[j * groups + g]
+                if block is not self.null_block:
+                    freed.append(block)
+                    blocks[j * groups + g] = self.null_block
+        self.pool.free_blocks(freed)
+        self.num_skipped[request_id] = first
 
     def _record_query(self, request: Request, num_hit_blocks: int) -> None:
         if not self._uses_prefix_cache(request):
@@ -587,7 +717,8 @@ class KVCacheManager:
             return
         if num_tokens is None:
             num_tokens = request.num_computed_tokens
-        num_full = min(num_tokens // self.block_size, len(blocks))
+        groups = self.num_groups
+        num_full = min(num_tokens // self.block_size, len(blocks) // groups)
         start = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
@@ -598,8 +729,13 @@ class KVCacheManager:
         if num_full <= start:
             return
         for index in range(start, num_full):
-            self.pool.cache_full_block(blocks[index], request.block_hashes[index],
-                                       self._block_content(request, index))
+            block_hash = request.block_hashes[index]
+            for g in range(groups):
+                block = blocks[index * groups + g]
+                if block is self.null_block:  # freed behind the window before it was hashed
+                    continue
+                self.pool.cache_full_block(block, self._group_hash(block_hash, g),
+                                           self._block_content(request, index) if g == 0 else None)
         self.num_cached_blocks[request.request_id] = num_full
 
     def _block_content(self, request: Request, index: int) -> BlockContent | None:
@@ -649,15 +785,19 @@ class KVCacheManager:
         evicted first). Returns the number of blocks it held; a request
         holding none is a no-op returning 0."""
         request_id = request if isinstance(request, str) else request.request_id
-        blocks = self.req_to_blocks.pop(request_id, [])
+        blocks = [block for block in self.req_to_blocks.pop(request_id, [])
+                  if block is not self.null_block]
         self.num_cached_blocks.pop(request_id, None)
         self.req_content_hashes.pop(request_id, None)
+        self.num_skipped.pop(request_id, None)
         self.pool.free_blocks(reversed(blocks))
         return len(blocks)
 
     def get_block_ids(self, request_id: str, start: int = 0, stop: int | None = None) -> list[int]:
-        """The request's block table (block ids in token order), or its slice
-        ``[start:stop]`` (O(slice), for per-step deltas); [] if none."""
+        """The request's block table (block ids in token order; with G
+        groups, flat: logical block j of group g at ``j * G + g``), or its
+        slice ``[start:stop]`` of that list (O(slice), for per-step deltas);
+        [] if none."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())[start:stop]]
 
     def num_request_blocks(self, request_id: str) -> int:
@@ -678,15 +818,18 @@ class KVCacheManager:
         counts equal the number of block-table (and adoption) entries per block, free +
         cached-free + in-use == total, the free queue holds exactly the
         ref-0 blocks, and the hash index points only at hashed blocks."""
-        expected = [0] * self.num_blocks
+        expected = [0] * self.pool.num_blocks
         for blocks in [*self.req_to_blocks.values(), *self.adopted.values()]:
             for block in blocks:
-                expected[block.block_id] += 1
+                if block is not self.null_block:
+                    expected[block.block_id] += 1
+        if self.null_block is not None:
+            expected[self.null_block.block_id] = 1
         actual = [block.ref_cnt for block in self.pool.blocks]
         if expected != actual:
             raise RuntimeError(f"ref counts {actual} != block-table counts {expected}")
         free, cached_free, in_use = self.pool.count_blocks()
-        if free + cached_free + in_use != self.num_blocks:
+        if free + cached_free + in_use != self.pool.num_blocks:
             raise RuntimeError("block accounting does not add up")
         queued = list(self.pool.free_queue)
         if len(queued) != free + cached_free or any(b.ref_cnt for b in queued):

@@ -17,6 +17,13 @@ Memory rules (bytes; GiB = 2**30 bytes):
   an estimate until the CUDA engine measures its own).
 - KV tokens = whole blocks only: (KV memory // (block_size x bytes per token))
   x block_size. Maximum concurrency = KV tokens / max_model_len.
+- A model with sliding-window layers (``kvserve.core.kv_layout``): a block
+  holds the K/V of ``group_size`` layers, so blocks = KV memory //
+  (block_size x bytes per token x group_size / layers); a request of n
+  tokens holds ``KVCacheLayout.max_blocks(n)`` blocks (its sliding groups
+  only the window's); KV tokens = the longest request that fits alone, and
+  maximum concurrency = blocks / the blocks of a ``max_model_len`` request
+  (vLLM's ``get_max_concurrency_for_kv_cache_config`` rule).
 """
 
 from __future__ import annotations
@@ -24,10 +31,11 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvserve.config import CacheConfig, ModelConfig
+from kvserve.core.kv_layout import KVCacheLayout, model_kv_layout
 
 #: Bytes per element of the dtypes ``kvserve plan --dtype`` accepts.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -51,35 +59,71 @@ class KVCachePlan:
     num_blocks: int
     block_size: int
     max_model_len: int
+    #: The KV-cache groups when some layers slide (None: one group), and the
+    #: most tokens a step computes for one request (a sliding group's blocks
+    #: cover the window and one step's tokens).
+    layout: KVCacheLayout | None = None
+    chunk_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the KV cache holds."""
-        return self.num_blocks * self.block_size
+        """Tokens the KV cache holds: with sliding layers, the longest
+        request that fits alone."""
+        if self.layout is None:
+            return self.num_blocks * self.block_size
+        usable = self.num_blocks - 1  # block 0 is the null block
+        low, high = 0, usable * self.block_size  # max_blocks(n) >= n / block_size
+        while low < high:  # the largest n whose blocks fit
+            mid = (low + high + 1) // 2
+            if self._blocks(mid) <= usable:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def _blocks(self, num_tokens: int) -> int:
+        return self.layout.max_blocks(num_tokens, self.block_size,
+                                      min(num_tokens, self.chunk_tokens or num_tokens))
 
     @property
     def max_concurrency(self) -> float:
         """Full-length requests that fit at once."""
-        return self.num_tokens / self.max_model_len
+        if self.layout is None:
+            return self.num_tokens / self.max_model_len
+        return (self.num_blocks - 1) / self._blocks(self.max_model_len)
 
 
 def plan_kv_cache(model: ModelConfig, cache: CacheConfig, max_model_len: int,
-                  dtype_bytes: int = 4, draft: ModelConfig | None = None) -> KVCachePlan:
+                  dtype_bytes: int = 4, draft: ModelConfig | None = None,
+                  chunk_tokens: int = 0) -> KVCachePlan:
     """Divide ``cache.kv_cache_memory`` bytes into blocks. With a ``draft``
     model (speculative decoding) each token also holds the draft's K/V: its
-    cache has the same blocks (``kvserve.model.drafter``).
+    cache has the same blocks (``kvserve.model.drafter``). A model with
+    sliding-window layers is planned by its KV-cache groups, with
+    ``chunk_tokens`` the step budget (0: a whole request in one step).
 
-    Raises ``ValueError`` when not even one block fits.
+    Raises ``ValueError`` when not even one block fits (two with sliding
+    layers: block 0 is the null block), or for a draft model beside
+    sliding layers.
     """
     per_token = model.kv_bytes_per_token(dtype_bytes)
+    layout = model_kv_layout(model)
+    if not layout.is_hybrid:
+        layout = None
+    elif draft is not None:
+        raise ValueError("a draft model cannot run beside a model with sliding-window layers")
     if draft is not None:
         per_token += draft.kv_bytes_per_token(dtype_bytes)
-    num_blocks = cache.kv_cache_memory // (cache.block_size * per_token)
-    if num_blocks < 1:
+    block_bytes = cache.block_size * per_token
+    if layout is not None:  # a block holds group_size of the layers
+        block_bytes = block_bytes * layout.group_size // model.num_hidden_layers
+    num_blocks = cache.kv_cache_memory // block_bytes
+    if num_blocks < 1 + (layout is not None):
         raise ValueError(
             f"--kv-cache-memory {cache.kv_cache_memory} bytes holds no KV block "
-            f"(one block of {cache.block_size} tokens needs {cache.block_size * per_token} bytes)")
-    return KVCachePlan(per_token, num_blocks, cache.block_size, max_model_len)
+            f"(one block of {cache.block_size} tokens needs {block_bytes} bytes)")
+    return KVCachePlan(per_token, num_blocks, cache.block_size, max_model_len, layout,
+                       chunk_tokens)
 
 
 def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:
@@ -94,7 +138,7 @@ def cap_to_cache(plan: KVCachePlan) -> KVCachePlan:
     fit alone)."""
     if plan.num_tokens >= plan.max_model_len:
         return plan
-    return KVCachePlan(plan.bytes_per_token, plan.num_blocks, plan.block_size, plan.num_tokens)
+    return replace(plan, max_model_len=plan.num_tokens)
 
 
 def read_safetensors_header(file: Path) -> dict[str, dict]:
@@ -209,7 +253,8 @@ def plan_capacity(path: Path, *, max_model_len: int | None = None,
               if gpu else (GIB if kv_cache_memory is None else kv_cache_memory))
     requested = resolve_max_model_len(model, max_model_len)
     cache = CacheConfig(block_size=block_size, kv_cache_memory=memory)
-    kv = cap_to_cache(plan_kv_cache(model, cache, requested, nbytes))
+    kv = cap_to_cache(plan_kv_cache(model, cache, requested, nbytes,
+                                    chunk_tokens=max_num_batched_tokens))
     return CapacityPlan(
         model=str(path), backend="cuda" if gpu else "cpu", dtype=dtype, num_parameters=params,
         weights_bytes=weights, kv_bytes_per_token=kv.bytes_per_token,

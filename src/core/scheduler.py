@@ -504,8 +504,9 @@ class Scheduler:
             step.budget += step.num_new.pop(request.request_id)
             # Blocks registered for this step's tokens will not be computed now.
             first_unwritten = request.num_computed_tokens // self.block_size
-            self.kv_cache_manager.evict_hashes(
-                self.kv_cache_manager.get_block_ids(request.request_id)[first_unwritten:])
+            manager = self.kv_cache_manager
+            manager.evict_hashes(manager.get_block_ids(request.request_id,
+                                                       first_unwritten * manager.num_groups))
         num_freed = self.kv_cache_manager.free(request)
         self._blocks_sent.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
@@ -548,7 +549,8 @@ class Scheduler:
         if request.num_tokens > limit:
             return (f"the prompt ({request.num_tokens} tokens) is longer than "
                     f"max_model_len ({limit} tokens)")
-        needed = cdiv(request.num_tokens, self.block_size)
+        needed = self.kv_cache_manager.max_blocks(request.num_tokens,
+                                                  self.config.max_num_batched_tokens)
         if needed > self.kv_cache_manager.num_blocks:
             return (f"the request needs {needed} KV cache blocks but the cache has only "
                     f"{self.kv_cache_manager.num_blocks}; lower max_model_len")
@@ -563,9 +565,10 @@ class Scheduler:
         """
         manager = self.kv_cache_manager
         hit_blocks, num_hit = manager.get_computed_blocks(request)
-        num_loaded = manager.get_external_blocks(request, len(hit_blocks))
+        num_hit_blocks = num_hit // self.block_size  # logical: hit_blocks has one per group
+        num_loaded = manager.get_external_blocks(request, num_hit_blocks)
         first = request.num_cached_tokens < 0
-        divergence = manager.find_divergence(request, len(hit_blocks)) if first else None
+        divergence = manager.find_divergence(request, num_hit_blocks) if first else None
         num_new = min(request.num_tokens - num_hit - num_loaded * self.block_size, step.budget)
         if len(self.staged) > 1:  # others wait behind it
             num_new = self._capped(num_new)
@@ -577,8 +580,8 @@ class Scheduler:
         if new_blocks is None:
             return False
         manager.release_adopted(request.request_id)  # its hits hold them now
-        manager.record_external(request, len(hit_blocks), num_loaded)
-        self._load(request, len(hit_blocks), new_blocks[:num_loaded], step)
+        manager.record_external(request, num_hit_blocks, num_loaded)
+        self._load(request, num_hit_blocks, new_blocks[:num_loaded], step)
         num_hit += num_loaded * self.block_size
         self.staged.pop()
         resumed = request.status is RequestStatus.PREEMPTED
@@ -634,12 +637,12 @@ class Scheduler:
 
     def _written_blocks(self, scheduled: list[ScheduledRequest]) -> tuple[int, ...]:
         """Block ids that the scheduled chunks write into."""
-        bs = self.block_size
+        bs, groups = self.block_size, self.kv_cache_manager.num_groups
         written: list[int] = []
         for chunk in scheduled:
             end = chunk.start_position + chunk.num_tokens
             written += self.kv_cache_manager.get_block_ids(
-                chunk.request_id, chunk.start_position // bs, cdiv(end, bs))
+                chunk.request_id, chunk.start_position // bs * groups, cdiv(end, bs) * groups)
         return tuple(written)
 
     def _scheduled_request(self, request_id: str, num_new: int, is_new: bool,

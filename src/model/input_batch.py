@@ -32,6 +32,11 @@ class BatchInputs:
     int32[S, max_blocks], ``seq_lens`` int32[S], ``query_start_loc``
     int32[S + 1], ``logits_indices`` int64[R] (the last token of each
     sampling sequence), ``sample_ids`` the request id of each sampled row.
+
+    With several KV-cache groups (``kvserve.core.kv_layout``),
+    ``slot_mapping`` and ``block_tables`` are group 0's and
+    ``group_tables`` holds ``(slot_mapping, block_tables)`` of groups 1 ..
+    G-1, same shapes; empty with one group.
     """
 
     input_ids: np.ndarray
@@ -42,6 +47,7 @@ class BatchInputs:
     query_start_loc: np.ndarray
     logits_indices: np.ndarray
     sample_ids: tuple[str, ...]
+    group_tables: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
 
 
 def _grown(array: np.ndarray, axis: int, size: int) -> np.ndarray:
@@ -61,13 +67,17 @@ class InputBatch:
     Args:
         block_size: tokens per KV block.
         rows, tokens, blocks: initial capacity (they grow on demand).
+        num_groups: KV-cache groups G: a request's table is the scheduler's
+            flat one, logical block j of group g at entry ``j * G + g``.
 
     Raises ``KeyError`` for an operation on an unknown request id and
     ``ValueError`` when a request id is added twice.
     """
 
-    def __init__(self, block_size: int, rows: int = 8, tokens: int = 256, blocks: int = 16) -> None:
+    def __init__(self, block_size: int, rows: int = 8, tokens: int = 256, blocks: int = 16,
+                 num_groups: int = 1) -> None:
         self.block_size = block_size
+        self.num_groups = num_groups
         self.token_ids = np.zeros((rows, tokens), dtype=np.int64)
         self.num_tokens = np.zeros(rows, dtype=np.int64)
         self.block_table = np.zeros((rows, blocks), dtype=np.int32)
@@ -161,16 +171,17 @@ class InputBatch:
         Token j of a chunk starting at position p sits at position p + j; its
         K/V slot is ``block_table[(p + j) // block_size] * block_size +
         (p + j) % block_size`` (the PagedAttention slot mapping, Kwon et al.
-        2023). Raises ``ValueError`` when a chunk reaches past the request's
-        known tokens or blocks (the deltas and the scheduler disagree).
+        2023), in each group's table. Raises ``ValueError`` when a chunk
+        reaches past the request's known tokens or blocks (the deltas and
+        the scheduler disagree).
         """
         rows = np.array([self.row_of[c.request_id] for c in scheduled], dtype=np.int64)
         lengths = np.array([c.num_tokens for c in scheduled], dtype=np.int64)
         starts = np.array([c.start_position for c in scheduled], dtype=np.int64)
         ends = starts + lengths
-        bs = self.block_size
+        bs, groups = self.block_size, self.num_groups
         if (ends > self.num_tokens[rows]).any() or \
-                (-(-ends // bs) > self.num_blocks[rows]).any():
+                (-(-ends // bs) * groups > self.num_blocks[rows]).any():
             raise ValueError("input batch: a scheduled chunk reaches past its request's "
                              "known tokens or blocks")
         query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
@@ -179,9 +190,14 @@ class InputBatch:
         positions = (np.arange(int(query_start_loc[-1]), dtype=np.int64)
                      - np.repeat(query_start_loc[:-1].astype(np.int64) - starts, lengths))
         max_blocks = int(self.num_blocks[rows].max())
-        block_tables = self.block_table[rows, :max_blocks]
-        slot_mapping = (block_tables[seq_index, positions // bs].astype(np.int64) * bs
-                        + positions % bs)
+        tables = self.block_table[rows, :max_blocks]
+        if groups > 1:
+            tables = [np.ascontiguousarray(tables[:, g::groups]) for g in range(groups)]
+        else:
+            tables = [tables]
+        block_index, offset = positions // bs, positions % bs
+        slots = [table[seq_index, block_index].astype(np.int64) * bs + offset for table in tables]
+        slot_mapping, block_tables = slots[0], tables[0]
         sampled = [s for s, c in enumerate(scheduled) if c.sample]
         return BatchInputs(
             input_ids=self.token_ids[rows[seq_index], positions],
@@ -192,4 +208,5 @@ class InputBatch:
             query_start_loc=query_start_loc,
             logits_indices=query_start_loc[1:][sampled].astype(np.int64) - 1,
             sample_ids=tuple(scheduled[s].request_id for s in sampled),
+            group_tables=tuple(zip(slots[1:], tables[1:])),
         )

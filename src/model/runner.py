@@ -21,6 +21,7 @@ import numpy as np
 
 from kvserve.config import ModelConfig
 from kvserve.constraints.masks import StructuredOutputs
+from kvserve.core.kv_layout import model_kv_layout
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.distributed.kv_connector import KVConnector, TransferResult
 from kvserve.model.drafter import DraftProposer
@@ -70,7 +71,7 @@ class ModelRunner:
         model_config: architecture.
         model: the loaded ``LlamaModel``.
         ops: the backend.
-        num_blocks: KV blocks per layer.
+        num_blocks: KV blocks per buffer.
         block_size: tokens per block.
         logprobs_mode: see ``EngineConfig.logprobs_mode``.
         seed: seed of the generator shared by unseeded requests.
@@ -93,12 +94,16 @@ class ModelRunner:
         self.ops = ops
         self.block_size = block_size
         self.logprobs_mode = logprobs_mode
-        self.kv_caches = [ops.allocate_kv_cache(num_blocks, block_size,
-                                                model_config.num_key_value_heads,
-                                                model_config.head_dim)
-                          for _ in range(model_config.num_hidden_layers)]
+        #: The KV-cache groups: one buffer per layer of a group, each shared
+        #: by one layer of every group (``kvserve.core.kv_layout``).
+        self.kv_layout = model_kv_layout(model_config)
+        buffers = [ops.allocate_kv_cache(num_blocks, block_size,
+                                         model_config.num_key_value_heads, model_config.head_dim)
+                   for _ in range(self.kv_layout.group_size)]
+        #: Per layer, its buffer (the same object for the layers of a slot).
+        self.kv_caches = [buffers[slot] for slot in self.kv_layout.layer_slot]
         self.states: dict[str, SamplingState] = {}
-        self.input_batch = InputBatch(block_size)
+        self.input_batch = InputBatch(block_size, num_groups=self.kv_layout.num_groups)
         self.xp = getattr(ops, "xp", np)  # the array module of the backend's arrays
         #: Where sampling runs: the backend's counted copies when it has them.
         self.device = Device.of(ops if hasattr(ops, "upload") else self.xp)
