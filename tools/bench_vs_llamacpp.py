@@ -2,7 +2,8 @@
 """kvserve against llama.cpp's own server: one workload, one client, a table of ratios.
 
 Both servers run the same model (the Q4_1 GGUF that kvserve's default model is
-converted from; llama.cpp serves the GGUF itself), one at a time on this
+converted from, or ``--model``'s GGUF, e.g. ``gemma-3-270m``; llama.cpp serves
+the GGUF itself), one at a time on this
 machine, and are measured by the same client (``kvserve.bench.replay``) with
 the same requests:
 
@@ -254,10 +255,28 @@ def load_runs(base_url: str, args: argparse.Namespace) -> dict:
     return runs
 
 
+def model_gguf(model: str | None, root: Path) -> Path:
+    """The GGUF llama.cpp serves: the default model's (extracted into
+    ``root`` once), or that of ``--model`` (a ``.gguf`` file, or a name or
+    GGUF converted by kvserve, whose folder keeps the file)."""
+    if model is None:
+        return ensure_gguf(root)
+    from kvserve.model.gguf_model import gguf_file_of, resolve_model
+
+    gguf = gguf_file_of(model)
+    if gguf is None:
+        found = sorted(Path(resolve_model(model)).glob("*.gguf"))
+        if not found:
+            raise SystemExit(f"--model {model}: no .gguf file for llama.cpp to serve")
+        gguf = found[0]
+    return gguf.resolve()
+
+
 def measure_kvserve(args: argparse.Namespace, out_dir: Path) -> dict:
     """Load runs and the prefill of ``kvserve serve`` (one server for both)."""
     print("kvserve:", file=sys.stderr, flush=True)
     flags = ["--max-num-seqs", str(max(64, *args.concurrency)), "--kv-cache-memory", "1GiB",
+             *(["--model", args.model] if args.model else []),
              *shlex.split(args.server_args)]
     before = _loadavg()
     if args.kvserve_command:  # another kvserve, e.g. an earlier revision's checkout
@@ -299,7 +318,7 @@ def llama_server(binary: Path, gguf: Path, slots: int, context: int, log: Path) 
 def measure_llamacpp(args: argparse.Namespace, out_dir: Path) -> dict:
     """Build (if needed), then load runs, prefill and ``llama-bench``."""
     root = Path(args.llamacpp_dir)
-    binaries, gguf = ensure_llamacpp(root), ensure_gguf(root)
+    binaries, gguf = ensure_llamacpp(root), model_gguf(args.model, root)
     print("llama.cpp:", file=sys.stderr, flush=True)
     slots = max(args.concurrency)
     result: dict = {"sdist_version": sdist_version(root), "gguf": str(gguf)}
@@ -452,6 +471,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="processes spinning on the CPU for the whole run: a competing load "
                         "(the thread policy's test: at most one change a minute)")
     p.add_argument("--server-args", default="", help="extra 'kvserve serve' flags, one string")
+    p.add_argument("--model", default=None,
+                   help="both servers' model: a .gguf file or a name kvserve fetches "
+                        "(gemma-3-270m); default: the default model's Q4_1 GGUF")
     p.add_argument("--kvserve-command", default=None,
                    help="command that starts kvserve's server, with '{port}' and flags of "
                         "its own (e.g. an earlier checkout: 'env PYTHONPATH=DIR python -m "

@@ -1,6 +1,6 @@
-"""Where a CPU decode step of the default model goes: compiled kernels or Python.
+"""Where a CPU decode step of a model goes: compiled kernels or Python.
 
-Loads the default model (SmolLM2-135M) in-process on the CPU backend, float32
+Loads the default model (SmolLM2-135M; ``--model`` another, e.g. ``gemma-3-270m``) in-process on the CPU backend, float32
 ``--quantization q4`` and ``w4a8``, and runs decode-only steps (``--batch`` sequences,
 one new token each, ``--context`` cached tokens, random K/V) through
 ``LlamaModel.forward`` (layers and LM head), with the fused decode path on
@@ -40,6 +40,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 from collections import Counter  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -50,6 +51,7 @@ from kvserve.cpu import (block_dot_kernels, block_kernels, decode_layer, int8,  
 from kvserve.cpu.decode_path import ENV  # noqa: E402
 from kvserve.cpu.ops import CpuOps  # noqa: E402
 from kvserve.model.default_model import ensure_default_model  # noqa: E402
+from kvserve.model.gguf_model import resolve_model  # noqa: E402
 from kvserve.model.llama import AttentionMetadata, LlamaModel  # noqa: E402
 from kvserve.model.quantization import BLOCK_SCHEMES  # noqa: E402
 from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights  # noqa: E402
@@ -212,8 +214,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--model", default=None,
+                    help="what `kvserve serve --model` takes (default: the default model)")
     args = ap.parse_args()
-    path = ensure_default_model()
+    path = Path(resolve_model(args.model)) if args.model else ensure_default_model()
     results = []
     for quant in args.quantization:
         ops = CpuOps()
