@@ -31,6 +31,7 @@ import structlog
 from kvserve.config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineConfig,
                             SchedulerConfig, ServerConfig, SpeculativeConfig,
                             StructuredOutputsConfig, parse_size)
+from kvserve.model.kv_quant import KV_CACHE_DTYPES
 from kvserve.observability.log import LOG_FORMATS, LOG_LEVELS
 from kvserve.thread_env import apply_thread_pool_env
 
@@ -193,6 +194,19 @@ def _add_engine_args(g: dict[str, argparse._ArgumentGroup], log_level: str = "in
                        help="GiB of host shared memory for a KV offload tier: evicted prefix "
                             "blocks go there and are loaded back instead of recomputed; shared "
                             "by the data-parallel replicas of a node (default 0: none)")
+    cache.add_argument("--kv-offloading-backend", choices=("native", "disk"), default="native",
+                       help="native: the shared-memory tier alone; disk: also a disk tier under "
+                            "it (--kv-offloading-path), whose blocks outlive a restart")
+    cache.add_argument("--kv-offloading-path", default=None, metavar="DIR",
+                       help="folder of the disk tier (--kv-offloading-backend disk)")
+    cache.add_argument("--kv-offloading-disk-size", type=POSITIVE_FLOAT, default=4.0,
+                       metavar="GIB",
+                       help="GiB the disk tier may hold; least recently used blocks go first "
+                            "(default 4)")
+    cache.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="auto: K/V in the model dtype; int8: 8-bit codes with a float32 "
+                            "scale per token and KV head (0.27x the bytes of float32, so about "
+                            "3.7x the tokens in the same memory); fp8 is vLLM's name, not built")
     sched = g["scheduler"]
     sched.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=None,
                        help="token budget of one step (prefill chunks + decodes); default 128 "
@@ -292,7 +306,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     cache = CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching,
-                        kv_offloading_size=args.kv_offloading_size)
+                        kv_offloading_size=args.kv_offloading_size,
+                        kv_cache_dtype=args.kv_cache_dtype,
+                        kv_offloading_backend=args.kv_offloading_backend,
+                        kv_offloading_path=args.kv_offloading_path,
+                        kv_offloading_disk_size=args.kv_offloading_disk_size)
     if cache.kv_offloading_size:
         from kvserve.distributed.host_tier import check_tier_size
         check_tier_size(int(cache.kv_offloading_size * 2**30))
@@ -519,6 +537,8 @@ def _add_plan_parser(plan: argparse.ArgumentParser) -> None:
                       help="weights and KV dtype, as serve's: auto = float32 on the CPU, "
                            "float16 on a GPU")
     plan.add_argument("--block-size", type=POSITIVE_INT, default=16, help="tokens per KV block")
+    plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                      help="as serve's: int8 costs head_dim + 4 bytes per K or V vector")
     plan.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=None,
                       help="step token budget, as serve's (default: 128 on the CPU, 2048 on "
                            "a GPU): the GPU's activation estimate, and the blocks a "
@@ -1041,7 +1061,7 @@ def _plan(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[
                 "cpu" if args.gpu_memory_gib is None else "cuda"],
-            max_num_seqs=args.max_num_seqs)
+            max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvserve plan: error: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvserve.model.kv_quant import check_kv_cache_dtype, kv_bytes_per_token
+
 if TYPE_CHECKING:
     from kvserve.model.generation_config import GenerationDefaults
     from kvserve.testing.faults import FaultInjection
@@ -140,11 +142,13 @@ class ModelConfig:
             return int(self.sliding_window)
         return 0
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        """Bytes of K and V for one token over all layers:
-        2 x layers x kv_heads x head_dim x dtype bytes (vLLM's sizing rule)."""
-        return (2 * self.num_hidden_layers * self.num_key_value_heads
-                * self.head_dim * dtype_bytes)
+    def kv_bytes_per_token(self, dtype_bytes: int = 4, kv_cache_dtype: str = "auto") -> int:
+        """Bytes of K and V for one token over all layers, scales included:
+        2 x layers x kv_heads x head_dim x dtype bytes (vLLM's sizing rule),
+        or with ``kv_cache_dtype`` int8, head_dim + 4 bytes per vector
+        (``kvserve.model.kv_quant``)."""
+        return kv_bytes_per_token(self.num_hidden_layers, self.num_key_value_heads,
+                                  self.head_dim, kv_cache_dtype, dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -155,8 +159,13 @@ class CacheConfig:
     ``num_blocks`` is filled in by the engine after it has measured memory.
     ``kv_offloading_size``: GiB of host shared memory for the KV offload tier
     (vLLM's ``--kv-offloading-size``; 0 = no tier); the engine creates it.
-    ``kv_offloading_path``: attach to a tier another process created (the
-    data-parallel client sets it for its replicas) instead.
+    ``kv_offloading_shm_path``: attach to a tier another process created
+    (the data-parallel client sets it for its replicas) instead.
+    ``kv_cache_dtype``: ``auto`` (the model dtype) or ``int8`` (vLLM's
+    ``--kv-cache-dtype``; the format is ``kvserve.model.kv_quant``).
+    ``kv_offloading_backend``: ``native`` (the shared-memory tier alone) or
+    ``disk`` (a disk tier under it, in the folder ``kv_offloading_path``,
+    at most ``kv_offloading_disk_size`` GiB, kept across restarts).
     """
 
     block_size: int = 16
@@ -165,7 +174,11 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_blocks: int | None = None
     kv_offloading_size: float = 0.0
+    kv_offloading_shm_path: str | None = None
+    kv_cache_dtype: str = "auto"
+    kv_offloading_backend: str = "native"
     kv_offloading_path: str | None = None
+    kv_offloading_disk_size: float = 4.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -177,6 +190,23 @@ class CacheConfig:
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ValueError("--kv-offloading-size needs prefix caching (the tier keeps blocks "
                              "by their prefix hashes); drop --no-enable-prefix-caching")
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_offloading_backend not in ("native", "disk"):
+            raise ValueError("--kv-offloading-backend must be native or disk, got "
+                             f"{self.kv_offloading_backend!r}")
+        if self.kv_offloading_backend == "disk":
+            if not self.kv_offloading_path:
+                raise ValueError("--kv-offloading-backend disk needs --kv-offloading-path DIR "
+                                 "(the folder that keeps KV blocks across restarts)")
+            if not self.kv_offloading_size:
+                raise ValueError("--kv-offloading-backend disk sits under the shared-memory "
+                                 "tier: give --kv-offloading-size GIB too")
+            if not self.kv_offloading_disk_size > 0.0:
+                raise ValueError("--kv-offloading-disk-size must be > 0 GiB, got "
+                                 f"{self.kv_offloading_disk_size}")
+        elif self.kv_offloading_path:
+            raise ValueError("--kv-offloading-path is the disk tier's folder: add "
+                             "--kv-offloading-backend disk")
 
 
 #: Default step token budget per backend. CPU: 128, from

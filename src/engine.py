@@ -119,7 +119,9 @@ class AsyncEngine:
                                      core.scheduler.config.max_num_batched_tokens)
         cache = core.config.cache
         self.metrics.set_cache_config(
-            block_size=core.plan.block_size, cache_dtype=str(core.backend.dtype),
+            block_size=core.plan.block_size,
+            cache_dtype=(cache.kv_cache_dtype if cache.kv_cache_dtype != "auto"
+                         else str(core.backend.dtype)),
             enable_prefix_caching=cache.enable_prefix_caching,
             num_gpu_blocks=core.plan.num_blocks,
             gpu_memory_utilization=cache.gpu_memory_utilization,

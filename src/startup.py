@@ -104,7 +104,7 @@ def _check_sliding_layers(config: EngineConfig, model: ModelConfig) -> None:
     if not model_kv_layout(model).is_hybrid:
         return
     name = f"{model.name} has sliding-window layers"
-    if config.cache.kv_offloading_size or config.cache.kv_offloading_path:
+    if config.cache.kv_offloading_size or config.cache.kv_offloading_shm_path:
         raise ValueError(f"{name}: --kv-offloading-size does not take such a model yet")
     if config.scheduler.speculative is not None:
         raise ValueError(f"{name}: --speculative-config does not take such a model yet")
@@ -199,7 +199,7 @@ def _load_model(config: EngineConfig, path: Path, model_config: ModelConfig,
     weights_bytes = model.weights_nbytes + (draft.weights_nbytes if draft is not None else 0)
     if config.quantization != "none":
         _log_quantization(config.quantization, model_config, float_bytes, weights_bytes,
-                          backend.dtype.itemsize)
+                          backend.dtype.itemsize, config.cache.kv_cache_dtype)
     return _LoadedModel(model, draft, weights_bytes)
 
 
@@ -212,7 +212,7 @@ def _size_kv_cache(config: EngineConfig, model_config: ModelConfig, backend: Bac
     requested = resolve_max_model_len(model_config, config.scheduler.max_model_len)
     kv_bytes = backend.kv_cache_bytes(model_config, loaded.weights_bytes, lambda: profile_forward(
         loaded.model, backend.ops, config.scheduler.max_num_batched_tokens,
-        config.cache.block_size))
+        config.cache.block_size, config.cache.kv_cache_dtype))
     draft = loaded.draft.config if loaded.draft is not None else None
     plan = cap_to_cache(plan_kv_cache(model_config, replace(config.cache, kv_cache_memory=kv_bytes),
                                       requested, backend.dtype.itemsize, draft,
@@ -239,10 +239,11 @@ def _build_runner(config: EngineConfig, path: Path, model_config: ModelConfig,
     draft = loaded.draft
     runner = ModelRunner(model_config, loaded.model, backend.ops, plan.num_blocks,
                          plan.block_size, logprobs_mode=config.logprobs_mode, seed=config.seed,
-                         structured=structured,
+                         structured=structured, kv_cache_dtype=config.cache.kv_cache_dtype,
                          drafter=None if draft is None else DraftProposer(
                              draft, backend.ops, plan.num_blocks, plan.block_size, config.seed,
-                             max_catch_up=config.scheduler.max_num_batched_tokens))
+                             max_catch_up=config.scheduler.max_num_batched_tokens,
+                             kv_cache_dtype=config.cache.kv_cache_dtype))
     layout = KVLayout.of(runner.kv_caches, model_fingerprint(path, config, backend))
     runner.kv_connector = build_kv_connector(backend.ops, layout, config.cache)
     if runner.kv_connector is not None:
@@ -287,9 +288,13 @@ def _log_ready(config: EngineConfig, path: Path, backend: Backend, plan: KVCache
         groups = (f" for one request ({len(windows)} block tables of "
                   f"{plan.layout.group_size} layers; the {sum(len(g.layers) for g in sliding)} "
                   f"sliding-window layers keep {sliding[0].window:,} tokens)")
-    log.info("kv_cache_size", message=f"KV cache size: {plan.num_tokens:,} tokens{groups}",
+    kv_dtype = config.cache.kv_cache_dtype
+    stored = (f" ({kv_dtype} K/V, {plan.bytes_per_token:,} bytes per token)"
+              if kv_dtype != "auto" else "")
+    log.info("kv_cache_size", message=f"KV cache size: {plan.num_tokens:,} tokens{groups}{stored}",
              num_tokens=plan.num_tokens, num_blocks=plan.num_blocks,
-             block_size=plan.block_size, kv_bytes_per_token=plan.bytes_per_token)
+             block_size=plan.block_size, kv_bytes_per_token=plan.bytes_per_token,
+             kv_cache_dtype=kv_dtype)
     max_len = plan.max_model_len
     log.info("max_concurrency", message=f"Maximum concurrency for {max_len:,} tokens per "
              f"request: {plan.max_concurrency:.2f}x", max_model_len=max_len,
@@ -341,11 +346,11 @@ def _log_speculative(sched) -> None:
 
 
 def _log_quantization(scheme: str, model: ModelConfig, float_bytes: int, weights_bytes: int,
-                      dtype_bytes: int) -> None:
+                      dtype_bytes: int, kv_cache_dtype: str = "auto") -> None:
     """``quantization``: weight bytes before and after, and the KV tokens the
     saved bytes would hold (at this model's KV bytes per token)."""
     saved = float_bytes - weights_bytes
-    tokens = max(saved, 0) // model.kv_bytes_per_token(dtype_bytes)
+    tokens = max(saved, 0) // model.kv_bytes_per_token(dtype_bytes, kv_cache_dtype)
     log.info("quantization", message=f"Quantization {scheme}: weights {float_bytes / 2**20:,.1f} "
              f"MiB -> {weights_bytes / 2**20:,.1f} MiB; the {saved / 2**20:,.1f} MiB saved hold "
              f"{tokens:,} more KV tokens", quantization=scheme, float_weights_bytes=float_bytes,

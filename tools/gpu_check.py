@@ -59,7 +59,21 @@ shows ``"status": "running"``:
    to its first token, median of 3), with the prefill step's own time.  It
    runs on the engine already up (the eager one after section 6: CUDA graphs
    are captured for decode batch sizes only; the JSON names it).
-8. ``kernels``: every ``CudaOps`` kernel (embedding, rms_norm,
+8. ``kv_int8``: the int8 KV cache (``--kv-cache-dtype int8``,
+   ``kvserve.model.kv_quant``), float16 (and float32 for split-K decode):
+   ``write_kv`` stores ``kv_quant.quantize``'s bytes exactly (strided K/V
+   views, skipped slots); ``paged_attention`` (the forms of ``kernels``,
+   with and without a window; every unreadable slot a NaN-scale vector)
+   and the fused decode (``rope_kv_attention`` of a planned decode step,
+   split-K) against float64 attention over ``kv_quant.dequantize`` of the
+   same cache (the ``kernels`` bounds); the fused decode timed over an
+   int8 and a float cache at the same contexts (ratio and KV bytes read);
+   then, with a model, the largest ``throughput`` batch on an engine with
+   ``kv_cache_dtype="int8"`` (CUDA graphs captured over int8 caches)
+   against the float16 engine: decode step time, tok/s, KV-cache tokens.
+   Fails when a case fails, the model is missing (the kernel figures are
+   kept), or the int8 engine captured no graphs.
+9. ``kernels``: every ``CudaOps`` kernel (embedding, rms_norm,
    fused_add_rms_norm, rotary_embedding, silu_and_mul, gelu_tanh_and_mul,
    write_kv, paged_attention as decode / split-K decode / prefill over a
    cached prefix / mixed batch at GQA ratios 1, 3 and 8, each form also
@@ -1264,6 +1278,7 @@ class Served:
     info: dict
     dtype: str
     eager: bool | None  # None: EngineConfig has no enforce_eager
+    kv_cache_dtype: str = "auto"
 
 
 def _has_enforce_eager() -> bool:
@@ -1273,13 +1288,17 @@ def _has_enforce_eager() -> bool:
 
 
 def engine_config(model: str, args: argparse.Namespace, dtype: str, eager: bool,
-                  s: Sizes) -> Any:
-    """EngineConfig of one engine; tolerates a config without the newer fields."""
+                  s: Sizes, kv_cache_dtype: str = "auto") -> Any:
+    """EngineConfig of one engine; tolerates a config without the newer
+    fields (``kv_cache_dtype`` is passed only when not ``auto``)."""
     from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
+    kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
     try:
-        cache = CacheConfig(gpu_memory_utilization=args.gpu_memory_utilization)
+        cache = CacheConfig(gpu_memory_utilization=args.gpu_memory_utilization, **kv)
     except TypeError:
+        if kv:
+            raise SectionFailed("engine API missing: CacheConfig.kv_cache_dtype") from None
         cache = CacheConfig()
     scheduler = SchedulerConfig(max_num_seqs=max(s.decode_batches),
                                 max_num_batched_tokens=max(s.step_budget, s.prefill_tokens))
@@ -1318,28 +1337,33 @@ class Engines:
                 raise  # an inner timeout (an engine start, one request)
             raise SectionFailed(f"cut after {left:.0f} s, 60 s past --budget-s") from None
 
-    def get(self, dtype: str, eager: bool, any_eager: bool = False) -> Served:
-        """The engine of ``dtype`` with (``eager``) or without CUDA graphs;
-        ``any_eager``: the current one of ``dtype`` will do."""
+    def get(self, dtype: str, eager: bool, any_eager: bool = False,
+            kv_cache_dtype: str = "auto") -> Served:
+        """The engine of ``dtype`` with (``eager``) or without CUDA graphs
+        and a ``kv_cache_dtype`` KV cache; ``any_eager``: the current one of
+        ``dtype`` and ``kv_cache_dtype`` will do."""
         if eager and not any_eager and not _has_enforce_eager():
             raise SectionFailed("engine API missing: EngineConfig.enforce_eager (vLLM's "
                                 "--enforce-eager): CUDA graphs cannot be turned off")
         cur = self.current
-        if cur is not None and cur.dtype == dtype and (any_eager or cur.eager in (eager, None)):
+        if (cur is not None and cur.dtype == dtype and cur.kv_cache_dtype == kv_cache_dtype
+                and (any_eager or cur.eager in (eager, None))):
             return cur
-        key = (dtype, eager)
+        key = (dtype, eager, kv_cache_dtype)
         if key in self.failed:
             raise SectionFailed(self.failed[key])
         self.close_current()
-        self._start(dtype, eager)
+        self._start(dtype, eager, kv_cache_dtype)
         return self.current
 
-    def _start(self, dtype: str, eager: bool) -> None:
+    def _start(self, dtype: str, eager: bool, kv_cache_dtype: str = "auto") -> None:
         """Start an engine as ``current`` and send it one warm-up request."""
         from kvserve.engine import AsyncEngine
 
-        wanted = f"{self.check.args.backend} {dtype}, {'eager' if eager else 'CUDA graphs'}"
-        config = engine_config(self.model, self.check.args, dtype, eager, self.check.sizes)
+        wanted = (f"{self.check.args.backend} {dtype}, {'eager' if eager else 'CUDA graphs'}"
+                  + ("" if kv_cache_dtype == "auto" else f", {kv_cache_dtype} KV cache"))
+        config = engine_config(self.model, self.check.args, dtype, eager, self.check.sizes,
+                               kv_cache_dtype)
         t0 = time.perf_counter()
         try:
             engine = self.run(asyncio.wait_for(AsyncEngine.start(config, stats_interval=0),
@@ -1347,14 +1371,17 @@ class Engines:
         except Exception as exc:  # noqa: BLE001 - the sections that need it fail with this
             if isinstance(exc, TimeoutError):
                 _HUNG.append("engine start")
-            self.failed[(dtype, eager)] = f"engine ({wanted}) did not start: {first_line(exc)}"
-            raise SectionFailed(self.failed[(dtype, eager)]) from exc
+            key = (dtype, eager, kv_cache_dtype)
+            self.failed[key] = f"engine ({wanted}) did not start: {first_line(exc)}"
+            raise SectionFailed(self.failed[key]) from exc
         core = engine.core
         has_eager = _has_enforce_eager()
         graphs = getattr(core.runner, "graphs", None)
         buckets = sorted(graphs.buckets) if graphs is not None else None
         info = {"label": f"{self.check.args.backend} {dtype}, " + (
-                    f"CUDA graphs of batch sizes {buckets}" if buckets else "no CUDA graphs"),
+                    f"CUDA graphs of batch sizes {buckets}" if buckets else "no CUDA graphs")
+                    + ("" if kv_cache_dtype == "auto" else f", {kv_cache_dtype} KV cache"),
+                "kv_cache_dtype": kv_cache_dtype,
                 "backend": _try(lambda: core.backend.name),
                 "dtype": _try(lambda: str(core.backend.dtype)),
                 "enforce_eager": eager if has_eager else "unknown: EngineConfig has no "
@@ -1366,7 +1393,7 @@ class Engines:
                 "max_model_len": _try(lambda: core.max_model_len),
                 "start_s": round(time.perf_counter() - t0, 1)}
         self.current = Served(engine, StepRecorder(engine), info, dtype,
-                              eager if has_eager else None)
+                              eager if has_eager else None, kv_cache_dtype)
         self.run(generate(engine, make_request("warmup", prompt_ids=range(100, 116),
                                                max_tokens=4)))
 
@@ -1391,7 +1418,8 @@ def model_dtype(args: argparse.Namespace) -> str:
     return "float16" if args.backend == "cuda" else "float32"
 
 
-def served(check: Check, eager: bool = False, any_eager: bool = False) -> Served:
+def served(check: Check, eager: bool = False, any_eager: bool = False,
+           kv_cache_dtype: str = "auto") -> Served:
     """The engine a model section runs on; SectionFailed when the model is
     missing, skipped under the simulator without ``--e2e``."""
     model, missing = check.report.data["model"]["path"], check.report.data["model"]["missing"]
@@ -1402,7 +1430,7 @@ def served(check: Check, eager: bool = False, any_eager: bool = False) -> Served
                             "to run it anyway, or --backend cpu", status="skipped")
     if check.engines is None:
         check.engines = Engines(check, model)
-    return check.engines.get(model_dtype(check.args), eager, any_eager)
+    return check.engines.get(model_dtype(check.args), eager, any_eager, kv_cache_dtype)
 
 
 def graphs_missing(check: Check, info: dict) -> str | None:
@@ -1747,6 +1775,269 @@ def prefill_section(check: Check) -> dict:
     return {"engine": srv.info, **run}
 
 
+# --------------------------------------------------------------------------- int8 KV cache
+
+
+def _nan_vector(hd: int) -> np.ndarray:
+    """The stored bytes of an int8 KV vector no kernel may read: codes 1, scale NaN."""
+    return np.concatenate([np.ones(hd, np.int8), np.array([np.nan], "<f4").view(np.int8)])
+
+
+def int8_paged_batch(rng: np.random.Generator, seqs: list[tuple[int, int]], nh: int, nkv: int,
+                     hd: int, bs: int, dtype: Any, pad: int, window: int = 0) -> tuple:
+    """``paged_batch`` over an int8 cache [num_blocks, 2, bs, nkv, hd + 4]:
+    each sequence's K/V ``kv_quant.quantize``d into shuffled blocks; every
+    other slot, and with ``window`` the slots before each sequence's window,
+    a NaN-scale vector. Returns (q, cache, block_tables, seq_lens,
+    query_start_loc, float64 (K, V) per sequence = ``kv_quant.dequantize``
+    of what is stored)."""
+    from kvserve.model import kv_quant
+
+    blocks = [-(-(c + n) // bs) for c, n in seqs]
+    num_blocks = sum(blocks) + 2
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    cache = np.empty((num_blocks, 2, bs, nkv, hd + kv_quant.SCALE_BYTES), np.int8)
+    cache[...] = _nan_vector(hd)
+    bt = np.full((len(seqs), max(blocks) + 1), -1, np.int32)
+    dense, used = [], 0
+    for s, ((c, n), nb) in enumerate(zip(seqs, blocks)):
+        bt[s, :nb] = perm[used:used + nb]
+        used += nb
+        lo = max(0, c + 1 - window) if window else 0
+        stored = kv_quant.quantize(randn(rng, (c + n, 2, nkv, hd), np.float32))
+        kv = f64(kv_quant.dequantize(stored))  # the reference masks keys before the window
+        dense.append((kv[:, 0], kv[:, 1]))
+        stored[:lo] = _nan_vector(hd)  # the kernels must not even load them
+        pos = np.arange(c + n)
+        cache[bt[s, pos // bs], :, pos % bs] = stored
+    qsl = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
+    q = randn(rng, (int(qsl[-1]) + pad, nh, hd), dtype)
+    seq_lens = np.array([c + n for c, n in seqs], np.int32)
+    return q, cache, bt, seq_lens, qsl, dense
+
+
+def int8_write_kv_setup(rng: np.random.Generator, ops: Any, dtype: Any, m: Shape, T: int,
+                        block_size: int) -> tuple:
+    """``write_kv`` into an int8 cache: K/V as strided views of a fused qkv
+    output, shuffled slots (1/16 skipped); the cache must hold
+    ``kv_quant.quantize`` of each vector (in float32) byte for byte."""
+    from kvserve.model import kv_quant
+
+    nh, nkv, hd = m.heads, m.kv_heads, m.head_dim
+    num_blocks = 2 * -(-T // block_size) + 1
+    qkv = randn(rng, (T, (nh + 2 * nkv) * hd), dtype, 3.0)
+    qkv[0, nh * hd:(nh + 1) * hd] = 0  # a zero vector: scale 0, codes 0
+    slots = rng.permutation(num_blocks * block_size)[:T].astype(np.int64)
+    slots[1::16] = -1
+    k = qkv[:, nh * hd:(nh + nkv) * hd].reshape(T, nkv, hd).astype(np.float32)
+    v = qkv[:, (nh + nkv) * hd:].reshape(T, nkv, hd).astype(np.float32)
+    expected = np.zeros((num_blocks, 2, block_size, nkv, hd + kv_quant.SCALE_BYTES), np.int8)
+    keep = slots >= 0
+    expected[slots[keep] // block_size, 0, slots[keep] % block_size] = kv_quant.quantize(k[keep])
+    expected[slots[keep] // block_size, 1, slots[keep] % block_size] = kv_quant.quantize(v[keep])
+    d_qkv, d_slots = ops.to_device(qkv), ops.to_device(slots)
+    dk = d_qkv[:, nh * hd:(nh + nkv) * hd].reshape(T, nkv, hd)
+    dv = d_qkv[:, (nh + nkv) * hd:].reshape(T, nkv, hd)
+    cache = ops.allocate_kv_cache(num_blocks, block_size, nkv, hd, kv_cache_dtype="int8")
+
+    def check(_):
+        got = ops.to_numpy(cache)
+        same = bool(np.array_equal(got, expected))
+        return (0.0 if same else math.inf), 0.0, 1.0, (
+            "bytes equal kv_quant.quantize" if same else
+            f"{int((got != expected).sum())} bytes differ from kv_quant.quantize")
+    item = np.dtype(dtype).itemsize
+    return (lambda: ops.write_kv(dk, dv, cache, d_slots), check,
+            int(keep.sum()) * 2 * nkv * (hd * item + hd + kv_quant.SCALE_BYTES) + 8 * T)
+
+
+def int8_attention_setup(rng: np.random.Generator, ops: Any, dtype: Any, m: Shape,
+                         seqs: list[tuple[int, int]], pad: int, bs: int, window: int = 0
+                         ) -> tuple:
+    """``paged_attention`` over an int8 cache (``int8_paged_batch``) against
+    float64 attention over its dequantized K/V; bound as ``attention_setup``."""
+    q, cache, bt, sl, qsl, dense = int8_paged_batch(rng, seqs, m.heads, m.kv_heads, m.head_dim,
+                                                    bs, dtype, pad, window)
+    scale = m.head_dim ** -0.5
+    ref, terms = ref_attention(q, seqs, qsl, dense, scale, window)
+    kap = kappa(terms, ref)
+    del dense
+    to = ops.to_device
+    args = (to(q), to(cache), to(bt), to(sl), to(qsl), scale)
+    nbytes = 2 * q.nbytes + sum(c + n for c, n in seqs) * 2 * m.kv_heads * (m.head_dim + 4)
+
+    def check(out):
+        out = ops.to_numpy(out)
+        note = f"{len(seqs)} seqs, contexts {min(sl)}-{max(sl)}" + (
+            f", window {window}" if window else "")
+        if pad and np.any(out[int(qsl[-1]):] != 0):
+            return math.inf, float_bound(dtype, kap), kap, note + "; padding rows NOT zero"
+        return rel_err(out, ref), float_bound(dtype, kap), kap, note
+    windowed = {"window": window} if window else {}
+    return lambda: ops.paged_attention(*args, **windowed), check, nbytes
+
+
+def fused_decode_setup(rng: np.random.Generator, ops: Any, dtype: Any, m: Shape,
+                       contexts: list[int], bs: int, kv_cache_dtype: str) -> tuple:
+    """One layer of a planned decode step (``prepare_step``, then
+    ``rope_kv_attention``: the fused RoPE + KV write + attention kernel, and
+    the split-K reduction past a partition) over a ``kv_cache_dtype`` cache
+    holding the earlier K/V. int8: the new V must be stored as
+    ``kv_quant.quantize``'s bytes, and the output must equal float64
+    attention with the RoPE'd q over ``kv_quant.dequantize`` of the cache
+    the step left; auto: the output against the float64 K/V as stored."""
+    from kvserve.model import kv_quant
+    from kvserve.model.input_batch import BatchInputs
+    from kvserve.model.llama import AttentionMetadata
+    from kvserve.model.ops import StepGeometry, build_rope_cache
+
+    nh, nkv, hd = m.heads, m.kv_heads, m.head_dim
+    N, quant = len(contexts), kv_quant.is_quantized(kv_cache_dtype)
+    per_seq = -(-max(contexts) // bs)
+    num_blocks = N * per_seq + 1
+    table = (1 + rng.permutation(num_blocks - 1)).reshape(N, per_seq).astype(np.int32)
+    positions = np.array(contexts, np.int64) - 1
+    width = hd + (kv_quant.SCALE_BYTES if quant else 0)
+    cache = np.zeros((num_blocks, 2, bs, nkv, width), np.int8 if quant else dtype)
+    for s, ctx in enumerate(contexts):
+        pos = np.arange(ctx - 1)
+        kv = randn(rng, (ctx - 1, 2, nkv, hd), np.float32 if quant else dtype)
+        cache[table[s, pos // bs], :, pos % bs] = kv_quant.quantize(kv) if quant else kv
+    slots = (table[np.arange(N), positions // bs] * bs + positions % bs).astype(np.int64)
+    batch = BatchInputs(input_ids=np.zeros(N, np.int64), positions=positions, slot_mapping=slots,
+                        block_tables=table, seq_lens=np.array(contexts, np.int32),
+                        query_start_loc=np.arange(N + 1, dtype=np.int32),
+                        logits_indices=np.arange(N, dtype=np.int64),
+                        sample_ids=tuple(map(str, range(N))))
+    rope = build_rope_cache(hd, max(contexts) + 1, ROPE_THETA)
+    qkv = randn(rng, (N, (nh + 2 * nkv) * hd), dtype)
+    step = ops.prepare_step(batch, StepGeometry(16, rope.shape[0], num_blocks, bs))
+    d_cache, d_qkv, d_rope = ops.to_device(cache), ops.to_device(qkv), ops.to_device(rope)
+    attn = AttentionMetadata(step.slot_mapping, step.block_tables, step.seq_lens,
+                             step.query_start_loc, plan=step)
+
+    def run():
+        return ops.rope_kv_attention(d_qkv, step.positions, d_rope, d_cache, attn, hd ** -0.5,
+                                     nh, nkv, hd)
+
+    def check(out):
+        out, stored = ops.to_numpy(out), ops.to_numpy(d_cache)
+        tab = f64(rope.astype(dtype))
+        x = f64(qkv)
+        q, _ = ref_rope(x[:, :nh * hd].reshape(N, nh, hd), positions, tab)
+        b, o = slots // bs, slots % bs
+        note = f"{N} seqs, contexts {min(contexts)}-{max(contexts)}, {kv_cache_dtype} cache"
+        if quant:
+            v_new = qkv[:, (nh + nkv) * hd:].reshape(N, nkv, hd).astype(np.float32)
+            if not np.array_equal(stored[b, 1, o], kv_quant.quantize(v_new)):
+                return math.inf, 0.0, 1.0, note + "; new V NOT stored as kv_quant.quantize"
+            stored = kv_quant.dequantize(stored)
+        dense = []
+        for s, ctx in enumerate(contexts):
+            j = np.arange(ctx)
+            kv = f64(stored[table[s, j // bs], :, j % bs])  # [ctx, 2, nkv, hd]
+            dense.append((kv[:, 0], kv[:, 1]))
+        ref, terms = ref_attention(q, [(c - 1, 1) for c in contexts], np.arange(N + 1), dense,
+                                   hd ** -0.5)
+        kap = kappa(terms, ref)
+        return rel_err(out, ref), float_bound(dtype, kap), kap, note
+    nbytes = sum(contexts) * 2 * nkv * (width if quant else hd * np.dtype(dtype).itemsize)
+    return run, check, nbytes + qkv.nbytes
+
+
+def kv_int8_kernel_cases(bench: KernelBench, s: Sizes) -> dict:
+    """The int8 cases of ``kv_int8_section`` (rows in ``bench``); returns the
+    fused decode's int8 / float timing comparison."""
+    from kvserve.cuda.ops import CudaOps
+
+    m, rng = s.attention[1], bench.rng  # SmolLM2's attention (GQA 3)
+    window = max(1, s.max_ctx // 4)
+    for dtype in (np.float16, np.float32):
+        ops = CudaOps(dtype=dtype, partition_size=s.partition, prefill_tile_q=s.tile_q)
+        model = s.models[0]
+        bench.measure("write_kv int8", dtype, f"{model.name} T={s.tokens} "
+                      f"kv={model.kv_heads}x{model.head_dim}",
+                      lambda: int8_write_kv_setup(rng, ops, dtype, model, s.tokens,
+                                                  s.block_size))
+        for form, (seqs, pad) in attention_forms(rng, s).items():
+            if dtype == np.float32 and form != "decode split-K":
+                continue
+            for w in (0, window):
+                bench.measure(
+                    f"paged_attention int8 {form}" + (f" window={w}" if w else ""), dtype,
+                    f"{m.name} {m.heads}/{m.kv_heads}x{m.head_dim} ctx<="
+                    f"{max(c + n for c, n in seqs)}",
+                    lambda seqs=seqs, pad=pad, w=w: int8_attention_setup(
+                        rng, ops, dtype, m, seqs, pad, s.block_size, w))
+        free_device_memory()
+    dtype = np.float16
+    ops = CudaOps(dtype=dtype, partition_size=s.partition, prefill_tile_q=s.tile_q)
+    contexts = [int(c) for c in rng.integers(s.max_ctx // 2, s.max_ctx + 1, s.splitk_seqs)]
+    timing = {}
+    for kv in ("int8", "auto"):
+        name = f"rope_kv_attention fused decode, {kv} cache"
+        bench.measure(name, dtype, f"{m.name} {m.heads}/{m.kv_heads}x{m.head_dim} "
+                      f"N={len(contexts)} ctx<={max(contexts)}",
+                      lambda kv=kv: fused_decode_setup(rng, ops, dtype, m, contexts,
+                                                       s.block_size, kv))
+        row = bench.rows[-1]
+        timing[kv] = {"median_us": row.get("median_us"), "bytes": row.get("bytes"),
+                      "GB_s": row.get("GB_s")}
+    free_device_memory()
+    i8, f16 = timing["int8"].get("median_us"), timing["auto"].get("median_us")
+    return {"contexts": contexts, "dtype": "float16", **{f"{k}_cache": v for k, v in
+                                                          timing.items()},
+            "time_int8_over_float": i8 / f16 if i8 and f16 else None}
+
+
+def kv_int8_section(check: Check) -> dict:
+    """The int8 KV cache on the GPU: kernels against the NumPy reference,
+    the fused decode's time over int8 and float caches, then (with a model)
+    a decode batch on an int8-cache engine against the float one."""
+    from kvserve.cuda.ops import array_module
+
+    if check.engines is not None:
+        check.engines.close_current()  # its KV cache and weights leave the device
+    s = check.sizes
+    timer = Timer(cupy_module(), s.warmup, s.repeats)
+    copy_gbs = check.copy_gbs or copy_bandwidth(array_module(), timer, s.copy_bytes)["GB_s"]
+    bench = KernelBench(timer, copy_gbs, np.random.default_rng(check.args.seed + 31))
+    data: dict[str, Any] = {"timing": timer.label, "copy_GB_s": copy_gbs}
+    data["fused_decode"] = kv_int8_kernel_cases(bench, s)
+    data["rows"] = bench.rows
+    failed = [f"{r['kernel']} {r['dtype']} {r['shape']}" for r in bench.rows if not r["pass"]]
+    if failed:
+        raise SectionFailed(f"{len(failed)} of {len(bench.rows)} int8 KV cases failed: "
+                            f"{'; '.join(failed[:3])}" + (" ..." if len(failed) > 3 else ""), data)
+    batch = max(s.decode_batches)
+    rng = np.random.default_rng(check.args.seed + 32)
+    engines = {}
+    for kv in ("auto", "int8"):
+        try:
+            srv = served(check, kv_cache_dtype=kv)
+        except SectionFailed as exc:
+            raise SectionFailed(f"engine comparison not run ({kv} KV cache): {exc.reason}",
+                                data, status=exc.status) from None
+        run = measure_decode(check, srv, batch, np.random.default_rng(rng.integers(1 << 31)))
+        engines[kv] = {"engine": srv.info, **run}
+        data["engines"] = engines
+    if check.engines is not None:
+        check.engines.close_current()
+    steps = {kv: engines[kv]["steps"] for kv in engines}
+    data["engine_comparison"] = {
+        "batch": batch,
+        **{f"{kv}_{name}": steps[kv].get(name) for kv in steps
+           for name in ("step_s", "interval_s", "tok_s")},
+        **{f"{kv}_kv_cache_tokens": engines[kv]["engine"].get("kv_cache_tokens")
+           for kv in engines},
+        "step_int8_over_auto": (steps["int8"]["step_s"] / steps["auto"]["step_s"]
+                                if steps["auto"].get("step_s") else None)}
+    no_graphs = graphs_missing(check, engines["int8"]["engine"])
+    if no_graphs:
+        raise SectionFailed(f"int8 KV cache engine: {no_graphs}", data)
+    return data
+
+
 #: (name, function) in the order they run: most important first.
 SECTIONS: list[tuple[str, Callable[[Check], dict]]] = [
     ("environment", environment_section),
@@ -1756,6 +2047,7 @@ SECTIONS: list[tuple[str, Callable[[Check], dict]]] = [
     ("throughput", throughput_section),
     ("graphs_vs_eager", graphs_vs_eager_section),
     ("prefill", prefill_section),
+    ("kv_int8", kv_int8_section),
     ("kernels", kernel_section),
 ]
 
@@ -1875,6 +2167,28 @@ def _prefill_lines(d: dict) -> list[str]:
             f"{_fmt(d.get('step_s'), ',.1f', 1e3)} ms, {_rate(d.get('step_tok_s'))} tok/s)"]
 
 
+def _kv_int8_lines(d: dict) -> list[str]:
+    fused = d.get("fused_decode", {})
+    lines = _kernel_lines({"timing": d.get("timing"), "copy_GB_s": d.get("copy_GB_s"),
+                           "rows": d.get("rows", [])})
+    lines[0] = "int8 KV cache: " + lines[0]
+    lines += ["", f"Fused decode ({fused.get('dtype')}, {len(fused.get('contexts', []))} "
+              f"sequences): int8 / float cache time "
+              f"{_fmt(fused.get('time_int8_over_float'), '.3f')}"]
+    cmp = d.get("engine_comparison")
+    if cmp:
+        lines += ["", f"Engines at batch {cmp['batch']}:", "",
+                  "| KV cache | step ms | interval ms | tok/s | KV-cache tokens |",
+                  "|---|---:|---:|---:|---:|"]
+        for kv in ("auto", "int8"):
+            lines.append(f"| {kv} | {_fmt(cmp.get(f'{kv}_step_s'), '.2f', 1e3)} | "
+                         f"{_fmt(cmp.get(f'{kv}_interval_s'), '.2f', 1e3)} | "
+                         f"{_rate(cmp.get(f'{kv}_tok_s'))} | "
+                         f"{_fmt(cmp.get(f'{kv}_kv_cache_tokens'), ',.0f')} |")
+        lines.append(f"step time int8 / auto: {_fmt(cmp.get('step_int8_over_auto'), '.3f')}")
+    return lines
+
+
 def _kernel_lines(kernels: dict) -> list[str]:
     lines = [f"Kernels (timing: {kernels.get('timing')}; copy "
              f"{_fmt(kernels.get('copy_GB_s'), '.1f')} GB/s)", "",
@@ -1898,7 +2212,8 @@ def _kernel_lines(kernels: dict) -> list[str]:
 RENDERERS: list[tuple[str, Callable[[dict], list[str]]]] = [
     ("copy_bandwidth", _copy_lines), ("golden", _golden_lines),
     ("decode_step", _decode_step_lines), ("throughput", _throughput_lines),
-    ("graphs_vs_eager", _eager_lines), ("prefill", _prefill_lines), ("kernels", _kernel_lines),
+    ("graphs_vs_eager", _eager_lines), ("prefill", _prefill_lines),
+    ("kv_int8", _kv_int8_lines), ("kernels", _kernel_lines),
 ]
 
 

@@ -13,8 +13,13 @@ activations, which only decode steps take). Prints a
 Markdown table last; ``--out`` writes it as JSON. See ``kvserve.testing.quality``
 for the definitions.
 
+A scheme ``QUANT:KV`` also sets ``--kv-cache-dtype KV`` (``none:int8``: float
+weights over an int8 KV cache; ``w4a8:int8``: both); the reference stays
+``none`` over the float cache.
+
     python tools/quality.py                              # none vs int8, w8a8
     python tools/quality.py --schemes int8 --window 256 --out results/quality.json
+    python tools/quality.py --schemes none:int8 q4:int8 w4a8 w4a8:int8
 """
 
 from __future__ import annotations
@@ -38,8 +43,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def engine_config(args: argparse.Namespace, scheme: str) -> EngineConfig:
-    return EngineConfig(model=args.model, backend=args.backend, quantization=scheme,
-                        cache=CacheConfig(kv_cache_memory=256 * 2**20),
+    """The engine of one ``--schemes`` entry: ``QUANT`` or ``QUANT:KV_CACHE_DTYPE``."""
+    quantization, _, kv_dtype = scheme.partition(":")
+    return EngineConfig(model=args.model, backend=args.backend, quantization=quantization,
+                        cache=CacheConfig(kv_cache_memory=256 * 2**20,
+                                          kv_cache_dtype=kv_dtype or "auto"),
                         scheduler=SchedulerConfig(max_num_batched_tokens=args.window))
 
 

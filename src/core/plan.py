@@ -49,7 +49,9 @@ GIB = 1024**3
 class KVCachePlan:
     """How the KV cache memory divides into blocks.
 
-    ``bytes_per_token`` = 2 x layers x kv_heads x head_dim x dtype bytes;
+    ``bytes_per_token`` = 2 x layers x kv_heads x head_dim x dtype bytes
+    (``--kv-cache-dtype int8``: head_dim + 4 bytes per vector, scales
+    included; ``kvserve.model.kv_quant``);
     ``num_blocks`` = memory // (block_size x bytes_per_token);
     ``max_concurrency`` = KV tokens / ``max_model_len`` (how many requests of
     full length fit at once, as vLLM reports it).
@@ -106,14 +108,15 @@ def plan_kv_cache(model: ModelConfig, cache: CacheConfig, max_model_len: int,
     layers: block 0 is the null block), or for a draft model beside
     sliding layers.
     """
-    per_token = model.kv_bytes_per_token(dtype_bytes)
+    kv_dtype = cache.kv_cache_dtype
+    per_token = model.kv_bytes_per_token(dtype_bytes, kv_dtype)
     layout = model_kv_layout(model)
     if not layout.is_hybrid:
         layout = None
     elif draft is not None:
         raise ValueError("a draft model cannot run beside a model with sliding-window layers")
     if draft is not None:
-        per_token += draft.kv_bytes_per_token(dtype_bytes)
+        per_token += draft.kv_bytes_per_token(dtype_bytes, kv_dtype)
     block_bytes = cache.block_size * per_token
     if layout is not None:  # a block holds group_size of the layers
         block_bytes = block_bytes * layout.group_size // model.num_hidden_layers
@@ -202,6 +205,7 @@ class CapacityPlan:
     num_parameters: int
     weights_bytes: int
     kv_bytes_per_token: int
+    kv_cache_dtype: str
     gpu_memory_bytes: int | None
     gpu_memory_utilization: float | None
     activation_bytes: int
@@ -222,7 +226,7 @@ def plan_capacity(path: Path, *, max_model_len: int | None = None,
                   kv_cache_memory: int | None = None, gpu_memory_gib: float | None = None,
                   gpu_memory_utilization: float = 0.9, dtype: str | None = None,
                   block_size: int = 16, max_num_batched_tokens: int = 2048,
-                  max_num_seqs: int = 64) -> CapacityPlan:
+                  max_num_seqs: int = 64, kv_cache_dtype: str = "auto") -> CapacityPlan:
     """Plan the checkpoint at ``path`` without loading weights.
 
     CPU backend (no ``gpu_memory_gib``): float32, KV memory =
@@ -230,7 +234,8 @@ def plan_capacity(path: Path, *, max_model_len: int | None = None,
     float16, KV memory = ``gpu_memory_gib`` GiB x ``gpu_memory_utilization``
     - weights - ``activation_workspace_bytes``. ``max_model_len`` defaults to
     the model's ``max_position_embeddings`` and is capped as the engine caps
-    it. Raises ``ValueError`` for an unknown dtype, a non-float32 dtype on
+    it. ``kv_cache_dtype``: as ``serve --kv-cache-dtype`` (int8: head_dim + 4
+    bytes per K or V vector). Raises ``ValueError`` for an unknown dtype, a non-float32 dtype on
     the CPU, or memory that holds no KV block; ``FileNotFoundError`` for a
     missing ``config.json`` or safetensors file.
     """
@@ -252,13 +257,14 @@ def plan_capacity(path: Path, *, max_model_len: int | None = None,
     memory = (_gpu_kv_memory(gpu_memory_gib, gpu_memory_utilization, weights, activation)
               if gpu else (GIB if kv_cache_memory is None else kv_cache_memory))
     requested = resolve_max_model_len(model, max_model_len)
-    cache = CacheConfig(block_size=block_size, kv_cache_memory=memory)
+    cache = CacheConfig(block_size=block_size, kv_cache_memory=memory,
+                        kv_cache_dtype=kv_cache_dtype)
     kv = cap_to_cache(plan_kv_cache(model, cache, requested, nbytes,
                                     chunk_tokens=max_num_batched_tokens))
     return CapacityPlan(
         model=str(path), backend="cuda" if gpu else "cpu", dtype=dtype, num_parameters=params,
         weights_bytes=weights, kv_bytes_per_token=kv.bytes_per_token,
-        gpu_memory_bytes=int(gpu_memory_gib * GIB) if gpu else None,
+        kv_cache_dtype=kv_cache_dtype, gpu_memory_bytes=int(gpu_memory_gib * GIB) if gpu else None,
         gpu_memory_utilization=gpu_memory_utilization if gpu else None,
         activation_bytes=activation, kv_cache_memory=memory, block_size=block_size,
         num_blocks=kv.num_blocks, kv_tokens=kv.num_tokens, max_model_len=kv.max_model_len,
@@ -282,7 +288,9 @@ def format_plan(plan: CapacityPlan) -> str:
     rows = [("model", plan.model), ("backend / dtype", f"{plan.backend} / {plan.dtype}"),
             ("parameters", f"{plan.num_parameters:,}"),
             ("weights", _bytes(plan.weights_bytes)),
-            ("KV bytes per token", f"{plan.kv_bytes_per_token:,}")]
+            ("KV bytes per token", f"{plan.kv_bytes_per_token:,}" + (
+                f" ({plan.kv_cache_dtype}, scales included)"
+                if plan.kv_cache_dtype != "auto" else ""))]
     if plan.gpu_memory_bytes is not None:
         rows += [("GPU memory x utilization", f"{_bytes(plan.gpu_memory_bytes)} x "
                                               f"{plan.gpu_memory_utilization}"),

@@ -45,5 +45,6 @@ class CpuBackend:
         return self.config.cache.kv_cache_memory
 
     def warmup(self) -> None:
-        """Compile the Numba kernels (``CpuOps.warmup``)."""
-        self.ops.warmup()
+        """Compile the Numba kernels (``CpuOps.warmup``), the KV ops for the
+        configured ``--kv-cache-dtype``."""
+        self.ops.warmup(self.config.cache.kv_cache_dtype)

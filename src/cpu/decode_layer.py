@@ -38,6 +38,13 @@ m)`` (``N`` output channels; ``DENSE``: float32[N, K] ``dense``; ``Q4``: uint8
 unused members 1 x 1 placeholders, so that every weight form shares one type and the kernel
 compiles once. A layer is the tuple ``(input_norm, post_norm, qkv, qkv_bias,
 o_proj, gate_up, down)``, ``qkv_bias`` float32[0] when the model has none.
+
+An int8 KV cache (``--kv-cache-dtype int8``, ``kvserve.model.kv_quant``)
+comes with the float32 views of the caches (``kv_scales``): the new K/V
+vectors are quantized as they are written (``kernels.quantize_kv_vector``,
+as ``write_kv`` does) and ``_attend_tile`` dequantizes as it reads; with a
+float32 cache ``kv_scales`` is None and those branches are pruned at
+compile time.
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ from numba.typed import List
 from kvserve.cpu.block_dot_kernels import (QK, q4_1_q8_gemv_range, q8_0_q8_gemv_range,
                                            quantize_q8_blocks)
 from kvserve.cpu.block_kernels import q4_gemv_range, q8_gemv_range
-from kvserve.cpu.kernels import _attend_tile, f32_gemv_range, f32_gemv_rows_range
+from kvserve.cpu.kernels import (_attend_tile, f32_gemv_range, f32_gemv_rows_range,
+                                  quantize_kv_vector)
 
 #: Weight kinds of the 7-tuples.
 DENSE, Q4, Q8 = 0, 1, 2
@@ -129,10 +137,12 @@ def _add_rms_norm(x, residual, weight, eps, add, out):
 
 @njit(nogil=True, cache=True)
 def _rope_kv_attend(s, kvh, qkv, positions, rope, kv_cache, slots, block_tables, seq_lens,
-                    scale, nh, nkv, q, att):
+                    scale, nh, nkv, q, att, kv_scales=None):
     """Sequence s, KV head kvh: rotate its K and write K/V at ``slots[s]``
     (skipped when negative), rotate the group's query heads into ``q`` and
-    attend over the sequence's ``seq_lens[s]`` cached positions into ``att``."""
+    attend over the sequence's ``seq_lens[s]`` cached positions into ``att``.
+    ``kv_scales``: None, or an int8 ``kv_cache`` 's float32 view: K (rotated
+    first, into a scratch vector) and V are quantized as written."""
     hd = q.shape[2]
     half = hd // 2
     group = nh // nkv
@@ -144,15 +154,28 @@ def _rope_kv_attend(s, kvh, qkv, positions, rope, kv_cache, slots, block_tables,
     if slot >= 0:
         b = slot // bs
         o = slot - b * bs
-        for i in range(half):
-            c = rope[p, i]
-            sn = rope[p, half + i]
-            k1 = qkv[s, koff + i]
-            k2 = qkv[s, koff + half + i]
-            kv_cache[b, 0, o, kvh, i] = k1 * c - k2 * sn
-            kv_cache[b, 0, o, kvh, half + i] = k2 * c + k1 * sn
-        for i in range(hd):
-            kv_cache[b, 1, o, kvh, i] = qkv[s, voff + i]
+        if kv_scales is None:
+            for i in range(half):
+                c = rope[p, i]
+                sn = rope[p, half + i]
+                k1 = qkv[s, koff + i]
+                k2 = qkv[s, koff + half + i]
+                kv_cache[b, 0, o, kvh, i] = k1 * c - k2 * sn
+                kv_cache[b, 0, o, kvh, half + i] = k2 * c + k1 * sn
+            for i in range(hd):
+                kv_cache[b, 1, o, kvh, i] = qkv[s, voff + i]
+        else:
+            k = np.empty(hd, np.float32)
+            for i in range(half):
+                c = rope[p, i]
+                sn = rope[p, half + i]
+                k1 = qkv[s, koff + i]
+                k2 = qkv[s, koff + half + i]
+                k[i] = k1 * c - k2 * sn
+                k[half + i] = k2 * c + k1 * sn
+            quantize_kv_vector(k, kv_cache[b, 0, o, kvh], kv_scales[b, 0, o, kvh])
+            quantize_kv_vector(qkv[s, voff:voff + hd], kv_cache[b, 1, o, kvh],
+                               kv_scales[b, 1, o, kvh])
     for g in range(group):
         h = kvh * group + g
         qoff = h * hd
@@ -163,12 +186,14 @@ def _rope_kv_attend(s, kvh, qkv, positions, rope, kv_cache, slots, block_tables,
             q2 = qkv[s, qoff + half + i]
             q[s, h, i] = q1 * c - q2 * sn
             q[s, h, half + i] = q2 * c + q1 * sn
-    _attend_tile(q, kv_cache, block_tables[s], scale, s, 1, seq_lens[s] - 1, kvh, group, att, 0)
+    _attend_tile(q, kv_cache, block_tables[s], scale, s, 1, seq_lens[s] - 1, kvh, group, att, 0,
+                 kv_scales)
 
 
 @njit(nogil=True, cache=True, parallel=True)
 def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, rope, slots,
-                  block_tables, seq_lens, eps, scale, nh, nkv, n_chunks, act_q8, per_row):
+                  block_tables, seq_lens, eps, scale, nh, nkv, n_chunks, act_q8, per_row,
+                  kv_scales=None):
     """Layers [l0, l1) of a decode-only batch of S sequences, in place.
 
     Args:
@@ -178,7 +203,8 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
             first when ``add_first``; for layer 0 the embeddings, with
             ``add_first`` False).
         layers: a typed List of layer tuples (module docstring), one per layer.
-        kv_caches: a typed List of float32[num_blocks, 2, block_size, nkv, hd].
+        kv_caches: a typed List of float32[num_blocks, 2, block_size, nkv, hd],
+            or of int8[..., hd + 4] (``kvserve.model.kv_quant``).
         positions: int64[S]; rope: float32[max_pos, hd] (``build_rope_cache``);
         slots: int64[S] (negative: not written); block_tables: int32[S, B];
         seq_lens: int32[S], each sequence's context after this step.
@@ -189,6 +215,8 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
             w4a8``); dense weights keep float activations.
         per_row: dense products by ``kernels.f32_gemv_rows_range``, as the
             op path's when batch-invariant.
+        kv_scales: None (float32 caches), or a typed List of the int8 caches'
+            float32 views (``cache.view(np.float32)``), one per layer.
 
     Unchecked: the caller (``decode_path``) checks positions, slots, block
     ids and seq_lens against the cache and the tables.
@@ -219,10 +247,17 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
                         qkv[t, n] += qkv_bias[n]
 
         att[:] = 0.0
-        for item in prange(S * nkv):
-            s = item // nkv
-            _rope_kv_attend(s, item - s * nkv, qkv, positions, rope, kv_cache, slots,
-                            block_tables, seq_lens, scale, nh, nkv, q, att)
+        if kv_scales is None:
+            for item in prange(S * nkv):
+                s = item // nkv
+                _rope_kv_attend(s, item - s * nkv, qkv, positions, rope, kv_cache, slots,
+                                block_tables, seq_lens, scale, nh, nkv, q, att)
+        else:
+            layer_scales = kv_scales[li]
+            for item in prange(S * nkv):
+                s = item // nkv
+                _rope_kv_attend(s, item - s * nkv, qkv, positions, rope, kv_cache, slots,
+                                block_tables, seq_lens, scale, nh, nkv, q, att, layer_scales)
 
         att2 = att.reshape(S, nh * hd)
         xq8 = _q8_operand(att2, act_q8, no_q8)

@@ -15,6 +15,9 @@ and returns ``(x, residual)``, or None where the op-by-op path must run:
 - an architecture the fused kernel does not compute (:func:`fused_architecture`:
   Gemma 3's sliding windows, q/k norms, sandwich norms or GeGLU);
 - ``attn`` given per KV-cache group (a sequence of metadata) rather than one;
+- KV caches that are not all float32 or all int8 (``--kv-cache-dtype
+  int8``: the kernel then also gets their float32 views, the scales'),
+  or not of the model's shape;
 - metadata the op path's kernels would reject (a position outside the RoPE
   table, a slot beyond the cache, a block id out of range, a block table
   too narrow): the op path then raises its own error.
@@ -36,6 +39,7 @@ from kvserve.cpu import decode_layer as dl
 from kvserve.cpu.block_dot_ops import Q8_MAX_ROWS
 from kvserve.cpu.block_ops import check_weight
 from kvserve.cpu.parallel import PARALLEL_REGION
+from kvserve.model import kv_quant
 from kvserve.model.ggml_blocks import BlockQuantizedWeight
 
 #: Environment switch: ``0`` turns the fused path off, ``layer`` makes it
@@ -74,6 +78,7 @@ class _Prepared:
         self.dense = False
         self.caches: tuple = ()
         self.cache_list = None
+        self.scale_list = None
         cfg = model.config
         self.nh, self.nkv, self.hd = (cfg.num_attention_heads, cfg.num_key_value_heads,
                                       cfg.head_dim)
@@ -132,23 +137,32 @@ class _Prepared:
         return (len(layers) == len(self.layer_objs) and model.rope_cache is self.rope
                 and all(a is b for a, b in zip(layers, self.layer_objs)))
 
-    def cache_list_for(self, kv_caches: list) -> Any:
-        """The typed List of ``kv_caches`` (rebuilt when the list changes), or
-        None when one is not a writeable C-contiguous float32
-        [num_blocks, 2, block_size, nkv, hd] of the first one's shape."""
+    def cache_list_for(self, kv_caches: list) -> tuple[Any, Any]:
+        """``(caches, scales)``: the typed List of ``kv_caches`` and None, or
+        for int8 caches also the typed List of their float32 views
+        (``kv_quant``: the scales); ``(None, None)`` when one is not a
+        writeable C-contiguous float32 [num_blocks, 2, block_size, nkv, hd]
+        (or int8 [..., hd + 4]) of the first one's shape and dtype. Rebuilt
+        when the list changes."""
         if len(kv_caches) == len(self.caches) and all(
                 a is b for a, b in zip(kv_caches, self.caches)):
-            return self.cache_list
-        shape = getattr(kv_caches[0], "shape", None) if kv_caches else None
+            return self.cache_list, self.scale_list
+        first = kv_caches[0] if kv_caches else None
+        shape = getattr(first, "shape", None)
+        dtype = getattr(first, "dtype", None)
+        width = self.hd + 4 if dtype == np.int8 else self.hd
         ok = (len(kv_caches) == len(self.layer_objs) and shape is not None and len(shape) == 5
-              and shape[1] == 2 and shape[3] == self.nkv and shape[4] == self.hd
-              and all(isinstance(c, np.ndarray) and c.dtype == np.float32 and c.shape == shape
+              and dtype in (np.float32, np.int8) and shape[1] == 2 and shape[3] == self.nkv
+              and shape[4] == width and (dtype == np.float32 or self.hd % 4 == 0)
+              and all(isinstance(c, np.ndarray) and c.dtype == dtype and c.shape == shape
                       and c.flags.c_contiguous and c.flags.writeable for c in kv_caches))
-        typed = None
+        typed = scales = None
         if ok:
             typed = dl.typed_list(list(kv_caches))
-        self.caches, self.cache_list = tuple(kv_caches), typed
-        return typed
+            if dtype == np.int8:
+                scales = dl.typed_list([c.view(np.float32) for c in kv_caches])
+        self.caches, self.cache_list, self.scale_list = tuple(kv_caches), typed, scales
+        return typed, scales
 
 
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -211,9 +225,11 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
     if prep is None or S > (DENSE_MAX_SEQS if prep.dense and not batch_invariant
                             else BLOCK_MAX_SEQS):
         return None
-    caches = prep.cache_list_for(kv_caches)
+    caches, scales = prep.cache_list_for(kv_caches)
     if caches is None:
         return None
+    # a float32 cache calls the kernel exactly as before the int8 cache
+    extra = () if scales is None else (scales,)
     pos = _int(positions, np.int64)
     slots = _int(attn.slot_mapping, np.int64)
     bt = _int(attn.block_tables, np.int32)
@@ -230,12 +246,12 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
             for i in range(len(prep.layer_objs)):
                 dl.decode_layers(i, i + 1, x, residual, i > 0, prep.layers, caches, pos,
                                  prep.rope, slots, bt, sl, prep.eps, prep.scale, prep.nh,
-                                 prep.nkv, num_threads, act_q8, batch_invariant)
+                                 prep.nkv, num_threads, act_q8, batch_invariant, *extra)
     else:
         with PARALLEL_REGION:
             dl.decode_layers(0, len(prep.layer_objs), x, residual, False, prep.layers, caches,
                              pos, prep.rope, slots, bt, sl, prep.eps, prep.scale, prep.nh,
-                             prep.nkv, num_threads, act_q8, batch_invariant)
+                             prep.nkv, num_threads, act_q8, batch_invariant, *extra)
     return x, residual
 
 
@@ -254,9 +270,10 @@ def _metadata_ok(pos: np.ndarray, slots: np.ndarray, bt: np.ndarray, sl: np.ndar
     return bool(used.min() >= 0 and used.max() < nb)
 
 
-def warmup() -> None:
+def warmup(kv_cache_dtype: str = "auto") -> None:
     """Compile (or load from Numba's cache) the fused kernel on a tiny layer of
-    every weight form, so that the first decode step does not pay JIT time."""
+    every weight form, so that the first decode step does not pay JIT time,
+    for KV caches of ``kv_cache_dtype`` (``auto``: float32; ``int8``)."""
     H, nh, nkv, hd, bs = 32, 2, 1, 16, 4
     rng = np.random.default_rng(0)
 
@@ -268,10 +285,14 @@ def warmup() -> None:
     q8 = (dl.Q8, H, _F32, _U8, np.ones((H, H), np.int8), ones, _F32)
     layers = dl.typed_list([(np.ones(H, np.float32), np.ones(H, np.float32),
                               dense((nh + 2 * nkv) * hd), _NO_BIAS, q4, dense(2 * H), q8)])
-    caches = dl.typed_list([np.zeros((2, 2, bs, nkv, hd), np.float32)])
+    int8 = kv_quant.is_quantized(kv_quant.check_kv_cache_dtype(kv_cache_dtype))
+    cache = (np.zeros((2, 2, bs, nkv, hd + kv_quant.SCALE_BYTES), np.int8) if int8
+             else np.zeros((2, 2, bs, nkv, hd), np.float32))
+    caches = dl.typed_list([cache])
+    extra = (dl.typed_list([cache.view(np.float32)]),) if int8 else ()
     x = np.ones((1, H), np.float32)
     with PARALLEL_REGION:
         dl.decode_layers(0, 1, x, x.copy(), False, layers, caches, np.zeros(1, np.int64),
                          np.ones((4, hd), np.float32), np.zeros(1, np.int64),
                          np.zeros((1, 2), np.int32), np.ones(1, np.int32), 1e-5,
-                         np.float32(0.25), nh, nkv, 1, True, False)
+                         np.float32(0.25), nh, nkv, 1, True, False, *extra)

@@ -13,7 +13,15 @@ raise ``ValueError`` with a constant message.
 Layout conventions (DESIGN.md section 3, vLLM's paged-attention layout):
 
 * ``kv_cache``: ``float32[num_blocks, 2, block_size, num_kv_heads, head_dim]``,
-  index 0 of axis 1 is K, index 1 is V.
+  index 0 of axis 1 is K, index 1 is V; or, quantized (``--kv-cache-dtype
+  int8``, ``kvserve.model.kv_quant``), ``int8[num_blocks, 2, block_size,
+  num_kv_heads, head_dim + 4]``: each vector's ``head_dim`` codes, then the
+  bytes of its float32 scale. A kernel taking the cache then also takes
+  ``kv_scales``, the cache's float32 view ``[..., (head_dim + 4) / 4]``
+  (the scale at index ``head_dim // 4``), or None for a float32 cache; the
+  ``kv_scales is None`` branches are pruned at compile time (Numba prunes a
+  branch on an argument typed None), so the float32 variant compiles to
+  the code it had before the int8 cache existed.
 * ``slot_mapping``: ``int64[T]``; token ``t`` goes to block ``slot // block_size``,
   offset ``slot % block_size``; a negative slot is padding and is not written.
 * ``query_start_loc``: ``int32[S+1]``; sequence ``s`` owns the flat tokens
@@ -173,12 +181,46 @@ def gelu_tanh_and_mul_kernel(x, out):
 
 
 @njit(nogil=True, cache=True)
-def write_kv_kernel(k, v, kv_cache, slot_mapping):
+def quantize_kv_vector(x, codes, scales):
+    """Store float32[hd] ``x`` as int8 codes and a float32 scale
+    (``kvserve.model.kv_quant.quantize``, bit for bit): ``s = max|x| / 127``,
+    ``codes[:hd] = clip(rint(x * (127 / max|x|)), -127, 127)`` (half to
+    even); a zero vector gets ``s = 0`` and zero codes.
+
+    codes: int8[hd + 4], the vector's slot in the cache; scales: its float32
+    view, float32[(hd + 4) / 4] (``scales[hd // 4]`` receives ``s``). A NaN
+    in ``x`` gives the scale NaN (and zero codes), as the reference's scale.
+    """
+    hd = x.shape[0]
+    amax = np.float32(0.0)
+    for d in range(hd):
+        a = abs(x[d])
+        if not a <= amax:  # a NaN wins, as in np.abs(x).max()
+            amax = a
+    inv = np.float32(0.0)
+    if amax > np.float32(0.0):
+        inv = np.float32(127.0) / amax
+    for d in range(hd):
+        c = np.rint(x[d] * inv)
+        if c > np.float32(127.0):
+            c = np.float32(127.0)
+        elif c < np.float32(-127.0):
+            c = np.float32(-127.0)
+        elif c != c:
+            c = np.float32(0.0)
+        codes[d] = np.int8(c)
+    scales[hd // 4] = amax / np.float32(127.0)
+
+
+@njit(nogil=True, cache=True)
+def write_kv_kernel(k, v, kv_cache, slot_mapping, kv_scales=None):
     """Scatter new K/V rows into the paged cache.
 
     k, v: float32[T, num_kv_heads, head_dim]; kv_cache: float32[num_blocks, 2,
-    block_size, num_kv_heads, head_dim]; slot_mapping: int64[T] (negative =
-    skip).  Raises ValueError for a slot beyond the cache.
+    block_size, num_kv_heads, head_dim], or int8[..., head_dim + 4] with
+    ``kv_scales`` its float32 view (each vector quantized by
+    :func:`quantize_kv_vector`); slot_mapping: int64[T] (negative = skip).
+    Raises ValueError for a slot beyond the cache.
     """
     T, nkv, hd = k.shape
     nb = kv_cache.shape[0]
@@ -192,9 +234,13 @@ def write_kv_kernel(k, v, kv_cache, slot_mapping):
         if b >= nb:
             raise ValueError("write_kv: slot beyond the KV cache")
         for h in range(nkv):
-            for d in range(hd):
-                kv_cache[b, 0, o, h, d] = k[t, h, d]
-                kv_cache[b, 1, o, h, d] = v[t, h, d]
+            if kv_scales is None:
+                for d in range(hd):
+                    kv_cache[b, 0, o, h, d] = k[t, h, d]
+                    kv_cache[b, 1, o, h, d] = v[t, h, d]
+            else:
+                quantize_kv_vector(k[t, h], kv_cache[b, 0, o, h], kv_scales[b, 0, o, h])
+                quantize_kv_vector(v[t, h], kv_cache[b, 1, o, h], kv_scales[b, 1, o, h])
 
 
 # --------------------------------------------------------------------------- #
@@ -313,7 +359,8 @@ def f32_gemv_parallel(x, w, out, n_chunks, per_row):
 
 
 @njit(nogil=True, cache=True, fastmath=_ATTN_FASTMATH)
-def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out, window):
+def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out, window,
+                 kv_scales=None):
     """Causal attention of queries q[t0:t0+nq] (heads of kv group ``kvh``).
 
     The queries are at consecutive positions pos0..pos0+nq-1 and attend to
@@ -323,8 +370,13 @@ def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out,
     query's window (its block-table entry may be stale).
     Online (streaming) softmax over key blocks: per row a running max m, a
     running denominator l and an unnormalized accumulator acc.
+    An int8 cache (``kv_scales`` its float32 view) is dequantized as it is
+    read: a key's score is ``s_k * sum(q_d * c_d)``, a value adds
+    ``(p * s_v) * c_d``; codes are converted to float32 in the inner loops,
+    which vectorize as the float32 ones do.
     """
     hd = q.shape[2]
+    sidx = hd // 4  # the scale's index in a float32 view of an int8 vector
     bs = kv_cache.shape[2]
     R = nq * group
     qbuf = np.empty((R, hd), np.float32)
@@ -364,8 +416,13 @@ def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out,
             bmax = -np.inf
             for j in range(j0, lim):
                 s = np.float32(0.0)
-                for d in range(hd):
-                    s += qbuf[r, d] * kv_cache[pb, 0, j, kvh, d]
+                if kv_scales is None:
+                    for d in range(hd):
+                        s += qbuf[r, d] * kv_cache[pb, 0, j, kvh, d]
+                else:
+                    for d in range(hd):
+                        s += qbuf[r, d] * np.float32(kv_cache[pb, 0, j, kvh, d])
+                    s *= kv_scales[pb, 0, j, kvh, sidx]
                 p[j] = s
                 if s > bmax:
                     bmax = s
@@ -383,8 +440,13 @@ def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out,
                 acc[r, d] *= alpha
             for j in range(j0, lim):
                 pj = p[j]
-                for d in range(hd):
-                    acc[r, d] += pj * kv_cache[pb, 1, j, kvh, d]
+                if kv_scales is None:
+                    for d in range(hd):
+                        acc[r, d] += pj * kv_cache[pb, 1, j, kvh, d]
+                else:
+                    pj *= kv_scales[pb, 1, j, kvh, sidx]
+                    for d in range(hd):
+                        acc[r, d] += pj * np.float32(kv_cache[pb, 1, j, kvh, d])
     for qi in range(nq):
         for g in range(group):
             r = qi * group + g
@@ -395,7 +457,7 @@ def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out,
 
 @njit(nogil=True, cache=True, parallel=True)
 def paged_attention_kernel(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, tile_q,
-                           n_threads, out, window=0):
+                           n_threads, out, window=0, kv_scales=None):
     """Causal attention over the paged KV cache for a flat varlen batch.
 
     q: float32[T, num_heads, head_dim]; kv_cache: float32[num_blocks, 2,
@@ -408,7 +470,8 @@ def paged_attention_kernel(q, kv_cache, block_tables, seq_lens, query_start_loc,
     owned by no sequence are left untouched); window: int, 0 = full causal
     attention, else each query sees its last ``window`` positions only
     (``kvserve.model.ops``: blocks before a sequence's window are neither
-    read nor checked).
+    read nor checked); kv_scales: None, or with an int8 ``kv_cache``
+    [..., head_dim + 4] its float32 view (module docstring).
 
     GQA: query head h reads kv head h // (num_heads // num_kv_heads).  Work is
     split into (query tile, kv head) items, dealt longest-first to the Numba
@@ -418,17 +481,18 @@ def paged_attention_kernel(q, kv_cache, block_tables, seq_lens, query_start_loc,
     plan = _plan_tiles(q, kv_cache, block_tables, seq_lens, query_start_loc, tile_q, window)
     n_workers = max(1, min(n_threads, plan[4].shape[0] * kv_cache.shape[3]))
     for w in prange(n_workers):
-        _attend_share(w, n_workers, plan, q, kv_cache, block_tables, scale, out, window)
+        _attend_share(w, n_workers, plan, q, kv_cache, block_tables, scale, out, window,
+                      kv_scales)
 
 
 @njit(nogil=True, cache=True)
 def paged_attention_kernel_serial(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                                  tile_q, out, window=0):
+                                  tile_q, out, window=0, kv_scales=None):
     """:func:`paged_attention_kernel` on the calling thread alone: no Numba
     parallel region, whose entry (50-120 us) costs more than a few decode
     rows' attention. Same arguments but ``n_threads``."""
     plan = _plan_tiles(q, kv_cache, block_tables, seq_lens, query_start_loc, tile_q, window)
-    _attend_share(0, 1, plan, q, kv_cache, block_tables, scale, out, window)
+    _attend_share(0, 1, plan, q, kv_cache, block_tables, scale, out, window, kv_scales)
 
 
 @njit(nogil=True, cache=True)
@@ -493,7 +557,8 @@ def _plan_tiles(q, kv_cache, block_tables, seq_lens, query_start_loc, tile_q, wi
 
 
 @njit(nogil=True, cache=True)
-def _attend_share(w, n_workers, plan, q, kv_cache, block_tables, scale, out, window):
+def _attend_share(w, n_workers, plan, q, kv_cache, block_tables, scale, out, window,
+                  kv_scales):
     """Worker w's share of the (tile, kv head) items, dealt longest first in
     snake order (Numba's scheduler splits a prange into equal contiguous
     chunks, which would give all the long causal tiles to one thread)."""
@@ -512,5 +577,5 @@ def _attend_share(w, n_workers, plan, q, kv_cache, block_tables, scale, out, win
             ti = order[k // nkv]
             kvh = k % nkv
             _attend_tile(q, kv_cache, block_tables[tile_seq[ti]], scale, tile_t0[ti],
-                         tile_nq[ti], tile_pos0[ti], kvh, group, out, window)
+                         tile_nq[ti], tile_pos0[ti], kvh, group, out, window, kv_scales)
         k += 1

@@ -2,9 +2,12 @@
 NumPy (BLAS for the matrix products) and the Numba kernels of
 :mod:`kvserve.cpu.kernels`.
 
-Everything is float32.  Inputs are normalized here (C-contiguous float32 data,
-int32/int64 metadata, writeable arrays) so that each Numba kernel compiles
-for exactly one type signature; the checks cost O(1) or O(metadata) per call.
+Everything is float32 but the int8 KV cache (``--kv-cache-dtype int8``,
+``kvserve.model.kv_quant``), which every KV op accepts as well, telling the
+two layouts apart by the cache's dtype.  Inputs are normalized here
+(C-contiguous float32 data, int32/int64 metadata, writeable arrays) so that
+each Numba kernel compiles for one type signature per cache layout; the
+checks cost O(1) or O(metadata) per call.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from threadpoolctl import threadpool_limits
 from kvserve.cpu import block_dot_ops, block_ops, decode_path, int8, kernels, quant_ops
 from kvserve.cpu.parallel import PARALLEL_REGION, parallel_chunks
 from kvserve.cpu.prefill_attention import prefill_attention
+from kvserve.model import kv_quant
 from kvserve.model.ops import build_rope_cache, compose_rope_kv_attention
 from kvserve.model.ggml_blocks import BlockQuantizedWeight
 from kvserve.model.quantization import LinearWeight, QuantizedWeight
@@ -361,30 +365,47 @@ class CpuOps:
     # ------------------------------------------------------------------ #
 
     @staticmethod
-    def _check_cache(kv_cache: np.ndarray, name: str) -> None:
-        if (not isinstance(kv_cache, np.ndarray) or kv_cache.dtype != _F32 or kv_cache.ndim != 5
-                or kv_cache.shape[1] != 2 or not kv_cache.flags.c_contiguous
-                or not kv_cache.flags.writeable):
-            raise ValueError(f"{name}: kv_cache must be a writeable C-contiguous float32 array "
-                             "[num_blocks, 2, block_size, num_kv_heads, head_dim], got "
-                             f"{getattr(kv_cache, 'shape', None)} {getattr(kv_cache, 'dtype', None)}")
+    def _check_cache(kv_cache: np.ndarray, name: str) -> tuple[int, np.ndarray | None]:
+        """``(head_dim, kv_scales)`` of a KV cache: float32 [num_blocks, 2,
+        block_size, nkv, head_dim] gives ``kv_scales`` None; int8 [..., head_dim
+        + 4] (``kv_quant``) its float32 view, which holds each vector's scale
+        at index ``head_dim // 4``. Raises ValueError naming ``name`` for any
+        other array (dtype, rank, axis 1, an int8 width not a multiple of 4,
+        not writeable or not C-contiguous)."""
+        if isinstance(kv_cache, np.ndarray) and kv_cache.ndim == 5 and kv_cache.shape[1] == 2 \
+                and kv_cache.flags.c_contiguous and kv_cache.flags.writeable:
+            if kv_cache.dtype == _F32:
+                return kv_cache.shape[4], None
+            width = kv_cache.shape[4]
+            if kv_cache.dtype == np.int8 and width > kv_quant.SCALE_BYTES and width % 4 == 0:
+                return width - kv_quant.SCALE_BYTES, kv_cache.view(_F32)
+        raise ValueError(f"{name}: kv_cache must be a writeable C-contiguous float32 array "
+                         "[num_blocks, 2, block_size, num_kv_heads, head_dim] or int8 "
+                         "[..., head_dim + 4] (--kv-cache-dtype int8), got "
+                         f"{getattr(kv_cache, 'shape', None)} {getattr(kv_cache, 'dtype', None)}")
 
     def write_kv(self, k: np.ndarray, v: np.ndarray, kv_cache: np.ndarray,
                  slot_mapping: np.ndarray) -> None:
         """Scatter K/V rows float32[T, nkv, hd] into ``kv_cache`` by slot.
 
+        kv_cache: float32[num_blocks, 2, block_size, nkv, hd], or int8 [...,
+        hd + 4], where each row is quantized as it is written
+        (``kernels.quantize_kv_vector``, ``kv_quant.quantize`` bit for bit).
         slot_mapping: int64[T]; negative entries are skipped.  Raises
         ValueError on shape mismatch or a slot beyond the cache.
         """
-        self._check_cache(kv_cache, "write_kv")
-        _, _, _, nkv, hd = kv_cache.shape
+        hd, kv_scales = self._check_cache(kv_cache, "write_kv")
+        nkv = kv_cache.shape[3]
         kk = _f32(k, "write_kv k", 3)
         vv = _f32(v, "write_kv v", 3)
         slots = _int(slot_mapping, np.int64, "write_kv slot_mapping", 1)
         T = slots.shape[0]
         if kk.shape != (T, nkv, hd) or vv.shape != (T, nkv, hd):
             raise ValueError(f"write_kv: k {kk.shape} / v {vv.shape} must be ({T}, {nkv}, {hd})")
-        kernels.write_kv_kernel(kk, vv, kv_cache, slots)
+        if kv_scales is None:
+            kernels.write_kv_kernel(kk, vv, kv_cache, slots)
+        else:
+            kernels.write_kv_kernel(kk, vv, kv_cache, slots, kv_scales)
 
     def paged_attention(self, q: np.ndarray, kv_cache: np.ndarray, block_tables: np.ndarray,
                         seq_lens: np.ndarray, query_start_loc: np.ndarray,
@@ -395,15 +416,17 @@ class CpuOps:
         the blocks before a sequence's window are neither read nor checked).
 
         q: float32[T, nh, hd]; kv_cache: float32[num_blocks, 2, block_size,
-        nkv, hd]; block_tables: int32[S, max_blocks]; seq_lens: int32[S];
+        nkv, hd] or int8 [..., hd + 4] (dequantized as read: by the kernels,
+        or while gathering a sequence's K/V for the BLAS prefill path);
+        block_tables: int32[S, max_blocks]; seq_lens: int32[S];
         query_start_loc: int32[S+1]; scale: float.  Returns float32[T, nh, hd]
         (zero rows for tokens owned by no sequence).  Parallel over (query
         tile, kv head) with Numba threads; online softmax in float32.
         Raises ValueError on inconsistent shapes/metadata or a block id out of
         range.
         """
-        self._check_cache(kv_cache, "paged_attention")
-        _, _, _, nkv, hd = kv_cache.shape
+        hd, kv_scales = self._check_cache(kv_cache, "paged_attention")
+        nkv = kv_cache.shape[3]
         qq = _f32(q, "paged_attention q", 3)
         T, nh, hd_q = qq.shape
         if hd_q != hd or nh % nkv:
@@ -425,7 +448,7 @@ class CpuOps:
         n_new = np.diff(qsl)
         long = n_new >= self.prefill_min_queries
         if not long.any():
-            self._attention_kernel(qq, kv_cache, bt, sl, qsl, scale, out, window)
+            self._attention_kernel(qq, kv_cache, bt, sl, qsl, scale, out, window, kv_scales)
             return out
         _check_prefill_metadata(bt, sl, qsl, T, kv_cache.shape[0], kv_cache.shape[2], window)
         for s in np.flatnonzero(long):
@@ -433,12 +456,14 @@ class CpuOps:
                               scale, out, window=window)
         short = ~long & (n_new > 0)
         if short.any():
-            self._decode_subset(qq, kv_cache, bt, sl, qsl, short, scale, out, window)
+            self._decode_subset(qq, kv_cache, bt, sl, qsl, short, scale, out, window,
+                                kv_scales)
         return out
 
     def _decode_subset(self, q: np.ndarray, kv_cache: np.ndarray, bt: np.ndarray,
                        sl: np.ndarray, qsl: np.ndarray, subset: np.ndarray, scale: float,
-                       out: np.ndarray, window: int = 0) -> None:
+                       out: np.ndarray, window: int = 0,
+                       kv_scales: np.ndarray | None = None) -> None:
         """The Numba kernel on the sequences of bool[S] ``subset`` alone:
         their rows are gathered into a compact batch and the result scattered
         back into ``out``."""
@@ -449,31 +474,41 @@ class CpuOps:
         sub_out = np.zeros((len(rows),) + q.shape[1:], _F32)
         self._attention_kernel(np.ascontiguousarray(q[rows]), kv_cache,
                                np.ascontiguousarray(bt[seqs]), np.ascontiguousarray(sl[seqs]),
-                               sub_qsl, scale, sub_out, window)
+                               sub_qsl, scale, sub_out, window, kv_scales)
         out[rows] = sub_out
 
     def _attention_kernel(self, q: np.ndarray, kv_cache: np.ndarray, bt: np.ndarray,
                           sl: np.ndarray, qsl: np.ndarray, scale: float, out: np.ndarray,
-                          window: int = 0) -> None:
+                          window: int = 0, kv_scales: np.ndarray | None = None) -> None:
         """The Numba kernel: serial below ``ATTENTION_PARALLEL_MIN_MACS``
         (a parallel region costs more than that), else parallel, one caller
         at a time in the process: the workqueue threading layer aborts the
         process when two threads (two engines' workers) enter parallel
-        regions at once."""
+        regions at once. ``kv_scales``: None, or an int8 cache's float32 view
+        (``_check_cache``)."""
         threads = self._threads()
         keys = sl if window <= 0 else np.minimum(sl, window)
         macs = int(np.dot(np.diff(qsl).astype(np.int64), keys)) * q.shape[1] * q.shape[2]
+        # a float32 cache calls the kernels exactly as before the int8 cache
+        scales = () if kv_scales is None else (kv_scales,)
         if threads == 1 or macs < ATTENTION_PARALLEL_MIN_MACS:
             kernels.paged_attention_kernel_serial(q, kv_cache, bt, sl, qsl, np.float32(scale),
-                                                  self.tile_q, out, window)
+                                                  self.tile_q, out, window, *scales)
             return
         with PARALLEL_REGION:
             kernels.paged_attention_kernel(q, kv_cache, bt, sl, qsl, np.float32(scale),
-                                           self.tile_q, threads, out, window)
+                                           self.tile_q, threads, out, window, *scales)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
-                          head_dim: int) -> np.ndarray:
-        """Zeroed float32[num_blocks, 2, block_size, num_kv_heads, head_dim].
+                          head_dim: int, kv_cache_dtype: str = "auto") -> np.ndarray:
+        """Zeroed float32[num_blocks, 2, block_size, num_kv_heads, head_dim]
+        (``auto``), or int8[num_blocks, 2, block_size, num_kv_heads, head_dim
+        + 4] (``int8``: codes and scales, ``kvserve.model.kv_quant``; zero
+        bytes read as zero vectors).
+
+        Raises ValueError for a non-positive dimension, a ``kv_cache_dtype``
+        other than ``auto`` or ``int8`` (``kv_quant.check_kv_cache_dtype``),
+        or an int8 ``head_dim`` not a multiple of 4.
 
         Written once here (not ``np.zeros``, whose pages the OS commits only
         when first written): the cache's memory is taken at start-up, where a
@@ -483,8 +518,11 @@ class CpuOps:
         dims = (num_blocks, block_size, num_kv_heads, head_dim)
         if any(int(d) <= 0 for d in dims):
             raise ValueError(f"allocate_kv_cache: all dimensions must be positive, got {dims}")
-        cache = np.empty((num_blocks, 2, block_size, num_kv_heads, head_dim), dtype=_F32)
-        cache.fill(0.0)
+        kv_quant.check_kv_cache_dtype(kv_cache_dtype)
+        width = kv_quant.vector_width(head_dim, kv_cache_dtype)
+        dtype = np.int8 if kv_quant.is_quantized(kv_cache_dtype) else _F32
+        cache = np.empty((num_blocks, 2, block_size, num_kv_heads, width), dtype=dtype)
+        cache.fill(0)
         return cache
 
     # ------------------------------------------------------------------ #
@@ -522,13 +560,15 @@ class CpuOps:
 
     # ------------------------------------------------------------------ #
 
-    def warmup(self) -> None:
-        """Compile (or load from Numba's cache) every kernel on tiny inputs.
+    def warmup(self, kv_cache_dtype: str = "auto") -> None:
+        """Compile (or load from Numba's cache) every kernel on tiny inputs,
+        the KV ops on a cache of ``kv_cache_dtype`` (``auto`` or ``int8``:
+        the layout the engine serves; ValueError for another value).
 
         Call once at start-up so the first request does not pay JIT time.
         """
         nkv, hd, bs = 1, 4, 4
-        cache = self.allocate_kv_cache(2, bs, nkv, hd)
+        cache = self.allocate_kv_cache(2, bs, nkv, hd, kv_cache_dtype)
         x = np.ones((2, 4), _F32)
         self.rms_norm(x, np.ones(4, _F32), 1e-6)
         self.fused_add_rms_norm(x, np.ones((2, 4), _F32), np.ones(4, _F32), 1e-6)
@@ -540,5 +580,5 @@ class CpuOps:
         self.write_kv(k, k, cache, np.arange(2))
         self.paged_attention(q, cache, np.array([[0, 1]], np.int32), np.array([2], np.int32),
                              np.array([0, 2], np.int32), 0.5)
-        decode_path.warmup()
+        decode_path.warmup(kv_cache_dtype)
 

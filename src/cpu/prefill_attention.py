@@ -21,6 +21,11 @@ A sliding-window layer (``window`` > 0, Gemma 3) gathers only the blocks from
 the one holding the chunk's first visible key (those before may be another
 request's), and a tile's product starts at its first query's first visible
 key; the band of keys each row may see is then a full additive mask.
+
+An int8 cache (``--kv-cache-dtype int8``, ``kvserve.model.kv_quant``) is
+dequantized while a sequence's blocks are gathered (codes x scale, as
+``kv_quant.dequantize``): the products run on that float32 panel of the
+sequence's own keys, never on a float copy of the cache.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ def gather_kv(kv_cache: np.ndarray, block_table: np.ndarray, seq_len: int,
     """K and V of one sequence's positions ``first_block * block_size ..
     seq_len - 1``, contiguous (the blocks before ``first_block`` are not read).
 
-    kv_cache: float32[num_blocks, 2, block_size, nkv, hd]; block_table:
+    kv_cache: float32[num_blocks, 2, block_size, nkv, hd], or int8 [...,
+    hd + 4] (the gathered blocks dequantized); block_table:
     int32[>= ceil(seq_len / block_size)] physical block ids (checked by the
     caller). Returns (k, v), each float32[nkv, seq_len - first_block *
     block_size, hd].
@@ -43,6 +49,9 @@ def gather_kv(kv_cache: np.ndarray, block_table: np.ndarray, seq_len: int,
     block_size, nkv, hd = kv_cache.shape[2:]
     num_blocks = -(-seq_len // block_size)
     kv = kv_cache[block_table[first_block:num_blocks]]  # [nb, 2, bs, nkv, hd] (a copy)
+    if kv.dtype == np.int8:
+        hd -= 4  # codes, then the 4 bytes of the scale (index hd // 4 of a float32 view)
+        kv = kv[..., :hd].astype(_F32) * kv.view(_F32)[..., hd // 4:hd // 4 + 1]
     n = seq_len - first_block * block_size
     k = kv[:, 0].reshape(-1, nkv, hd)[:n]
     v = kv[:, 1].reshape(-1, nkv, hd)[:n]
@@ -73,8 +82,8 @@ def prefill_attention(q: np.ndarray, kv_cache: np.ndarray, block_table: np.ndarr
 
     Args:
         q: float32[T, nh, hd], the batch's queries.
-        kv_cache: float32[num_blocks, 2, block_size, nkv, hd] with this
-            step's K/V already written.
+        kv_cache: float32[num_blocks, 2, block_size, nkv, hd], or int8
+            [..., hd + 4] (``kv_quant``), with this step's K/V already written.
         block_table: int32[max_blocks], the sequence's physical blocks.
         seq_len: context length after this step; the new tokens are at
             positions ``seq_len - (q_end - q_start) .. seq_len - 1``.

@@ -124,8 +124,9 @@ class CudaBackend:
         return budget
 
     def warmup(self) -> None:
-        """Compile every kernel once (``CudaOps.warmup``)."""
-        self.ops.warmup()
+        """Compile every kernel once (``CudaOps.warmup``), those of the int8
+        KV cache too under ``--kv-cache-dtype int8``."""
+        self.ops.warmup(kv_cache_dtype=self.config.cache.kv_cache_dtype)
 
 
 def capture_graphs(backend: CudaBackend, model, kv_caches, max_num_seqs: int,

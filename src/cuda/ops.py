@@ -33,6 +33,7 @@ from numba import cuda
 from kvserve.cuda import gemv_kernels, kernels
 from kvserve.cuda.step import (PackedStep, StepGeometry, StepViews, attention_plan,
                                check_attention_metadata, check_step, group_name, pack_step)
+from kvserve.model import kv_quant
 from kvserve.model.ops import build_rope_cache, compose_rope_kv_attention
 from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
 from kvserve.model.quantization import QuantizedWeight
@@ -117,6 +118,25 @@ def _keys_seen(max_context: int, window: int) -> int:
     """Most keys a decode query reads: its context, at most ``window`` (0: none).
     Sizes the split-K grid: ceil(keys / partition_size) partitions."""
     return min(max_context, window) if window else max_context
+
+
+def _quantized(kv_cache: Any) -> bool:
+    """Whether a checked KV cache is the int8 layout (``--kv-cache-dtype int8``)."""
+    return kv_cache.dtype == np.int8
+
+
+def _cache_head_dim(kv_cache: Any) -> int:
+    """head_dim of a checked KV cache: its last axis, less the scale's 4
+    bytes for an int8 one."""
+    width = int(kv_cache.shape[4])
+    return width - kv_quant.SCALE_BYTES if _quantized(kv_cache) else width
+
+
+def _kv_scales(kv_cache: Any) -> Any:
+    """The float32 view of a checked int8 KV cache, [num_blocks, 2,
+    block_size, nkv, (hd + 4) / 4]: a vector's scale at ``hd // 4``
+    (the kernels' second cache argument; no copy)."""
+    return kv_cache.view(np.float32)
 
 
 def _describe(a: Any) -> str:
@@ -274,11 +294,48 @@ class CudaOps:
         return a.data.ptr if self._cupy is not None else a.__array_interface__["data"][0]
 
     def _check_cache(self, kv_cache: Any, what: str) -> Any:
-        self._float(kv_cache, f"{what}: kv_cache",
-                    "[num_blocks, 2, block_size, num_kv_heads, head_dim]", 5, inplace=True)
+        """Check a KV cache: a writeable C-contiguous float16/float32
+        [num_blocks, 2, block_size, nkv, hd] array, or an int8 one of
+        [num_blocks, 2, block_size, nkv, hd + 4] with hd a positive multiple
+        of 4 (``kvserve.model.kv_quant``; told apart by the dtype). Returns
+        it; :func:`_cache_head_dim` gives its hd. Raises ValueError naming
+        ``what``."""
+        if isinstance(kv_cache, self.xp.ndarray) and kv_cache.dtype == np.int8:
+            width = kv_cache.shape[-1] if kv_cache.ndim else 0
+            if (kv_cache.ndim != 5 or not kv_cache.flags.c_contiguous
+                    or not getattr(kv_cache.flags, "writeable", True)
+                    or width <= kv_quant.SCALE_BYTES or width % 4):
+                raise ValueError(f"{what}: an int8 kv_cache must be a writeable C-contiguous "
+                                 "[num_blocks, 2, block_size, num_kv_heads, head_dim + 4] "
+                                 f"{self.xp.__name__} array with head_dim a positive multiple "
+                                 f"of 4, got {_describe(kv_cache)}")
+        else:
+            self._float(kv_cache, f"{what}: kv_cache",
+                        "[num_blocks, 2, block_size, num_kv_heads, head_dim]", 5, inplace=True)
         if kv_cache.shape[1] != 2:
             raise ValueError(f"{what}: kv_cache axis 1 must be 2 (K, V), got {kv_cache.shape}")
         return kv_cache
+
+    def _kv_args(self, cache: Any) -> tuple[Any, Any]:
+        """An int8 kernel's two cache arguments: the checked int8 cache (its
+        codes) and its float32 view (its scales, :func:`_kv_scales`), one
+        memory. On a GPU, the arrays. Under the simulator, which copies each
+        NumPy argument in and back out on its own (the view's copy-back would
+        undo the codes written through the cache), both wrapped as simulator
+        device arrays over the one buffer, written in place."""
+        scales = _kv_scales(cache)
+        if not self.simulator:
+            return cache, scales
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(cache), FakeCUDAArray(scales)
+
+    @staticmethod
+    def _kv_dtype(cache: Any) -> Any:
+        """The dtype the float operands of an op on a checked ``cache`` must
+        have: the cache's for a float cache; None (float16 or float32) for an
+        int8 one."""
+        return None if _quantized(cache) else cache.dtype
 
     # ------------------------------------------------------------------ #
     # dense ops
@@ -663,14 +720,22 @@ class CudaOps:
         [num_blocks, 2, block_size, nkv, hd]; slot_mapping: int[T], negative
         entries skipped.  Raises ValueError on a bad array, a shape mismatch
         or a slot >= num_blocks * block_size.
+
+        An int8 kv_cache ([num_blocks, 2, block_size, nkv, hd + 4],
+        ``kvserve.model.kv_quant``) takes float16 or float32 k and v, and
+        stores each (token, head) vector quantized by
+        ``kernels.write_kv_int8_kernel``: its codes and float32 scale, bit
+        for bit as ``kv_quant.quantize`` of the vector in float32.
         """
         cache = self._check_cache(kv_cache, "write_kv")
-        num_blocks, _, block_size, nkv, hd = cache.shape
+        num_blocks, _, block_size, nkv, _ = cache.shape
+        hd = _cache_head_dim(cache)
         slots = self._index(slot_mapping, "write_kv: slot_mapping", 1, np.int64)
         T = slots.shape[0]
         for what, a in (("k", k), ("v", v)):
             layout = f"[{T}, {nkv}, {hd}] with contiguous rows"
-            self._float(a, f"write_kv: {what}", layout, 3, dtype=cache.dtype, contiguous=False)
+            self._float(a, f"write_kv: {what}", layout, 3, dtype=self._kv_dtype(cache),
+                        contiguous=False)
             item = a.dtype.itemsize
             if a.shape != (T, nkv, hd) or a.strides[2] != item or a.strides[1] != hd * item:
                 raise ValueError(f"write_kv: {what} must be {layout}, got {a.shape} "
@@ -681,6 +746,10 @@ class CudaOps:
                              "num_blocks * block_size)")
         if self._cupy is None:  # the simulator transfers only contiguous host buffers
             k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+        if _quantized(cache):
+            self._launch(kernels.write_kv_int8_kernel, (T, nkv), (self._threads(hd),),
+                         k, v, *self._kv_args(cache), slots)
+            return
         self._launch(kernels.write_kv_kernel, (T,), (self._row_threads(nkv * hd),),
                      k, v, cache, slots)
 
@@ -715,12 +784,21 @@ class CudaOps:
         are checked.  A decode then costs ceil(min(context, window) /
         partition_size) partitions.
 
+        An int8 kv_cache ([num_blocks, 2, block_size, nkv, hd + 4],
+        ``kvserve.model.kv_quant``) takes a float16 or float32 q and runs the
+        int8 kernels of the same routes (``decode_partition_int8_kernel``,
+        ``prefill_attention_int8_kernel``): codes dequantized inside, a
+        key's dot product scaled once by its scale, a value's scale folded
+        into its softmax weight; never a float copy of the cache.
+
         Raises ValueError on a bad array, inconsistent metadata, a block id
         out of range or a negative window.
         """
         cache = self._check_cache(kv_cache, "paged_attention")
-        num_blocks, _, block_size, nkv, hd = cache.shape
-        q = self._float(q, "paged_attention: q", "[T, nh, hd]", 3, dtype=cache.dtype)
+        num_blocks, _, block_size, nkv, _ = cache.shape
+        hd = _cache_head_dim(cache)
+        q = self._float(q, "paged_attention: q", "[T, nh, hd]", 3,
+                        dtype=self._kv_dtype(cache))
         T, nh, _ = q.shape
         if q.shape[2] != hd or nh % nkv or hd > kernels.MAX_HEAD_DIM:
             raise ValueError(f"paged_attention: q {q.shape} incompatible with {nkv} kv heads of "
@@ -744,7 +822,11 @@ class CudaOps:
             self._decode(*args, plan, scale32, window32, out)
         if plan.num_tiles:
             grid = (plan.num_tiles, nh)
-            self._launch(kernels.prefill_attention_kernel, grid, (plan.tile_q,), *args,
+            prefill = kernels.prefill_attention_kernel
+            if _quantized(cache):
+                prefill = kernels.prefill_attention_int8_kernel
+                args = (q, *self._kv_args(cache), bt)
+            self._launch(prefill, grid, (plan.tile_q,), *args,
                          plan.tile_seq, plan.tile_t0, plan.tile_nq, plan.tile_pos0, scale32,
                          window32, out)
         return out
@@ -765,7 +847,12 @@ class CudaOps:
 
     def _decode(self, q: Any, cache: Any, bt: Any, plan: StepViews, scale: np.float32,
                 window: np.int32, out: Any) -> None:
-        """The split-K decode route of :meth:`paged_attention` on ``plan``'s tokens."""
+        """The split-K decode route of :meth:`paged_attention` on ``plan``'s
+        tokens (the int8 partition kernel for an int8 cache)."""
+        partition, caches = kernels.decode_partition_kernel, (cache,)
+        if _quantized(cache):
+            partition = kernels.decode_partition_int8_kernel
+            caches = self._kv_args(cache)
         xp, P = self.xp, self.partition_size
         N, (nh, hd) = plan.num_decodes, q.shape[1:]
         keys = _keys_seen(plan.max_context, int(window))
@@ -773,22 +860,32 @@ class CudaOps:
         tmp_out = xp.empty((N, nh, parts, hd), np.float32)
         max_logits = xp.empty((N, nh, parts), np.float32)
         exp_sums = xp.empty((N, nh, parts), np.float32)
-        self._launch(kernels.decode_partition_kernel, (N, nh, parts),
+        self._launch(partition, (N, nh, parts),
                      (self._threads(max(min(P, keys), hd)),),
-                     q, cache, bt, plan.tokens, plan.token_seq, plan.token_ctx, scale, window, P,
+                     q, *caches, bt, plan.tokens, plan.token_seq, plan.token_ctx, scale, window, P,
                      tmp_out, max_logits, exp_sums)
         self._launch(kernels.decode_reduce_kernel, (N, nh), (self._threads(hd),),
                      tmp_out, max_logits, exp_sums, plan.tokens, plan.token_ctx, window, P, out)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
-                          head_dim: int) -> Any:
-        """Zeroed [num_blocks, 2, block_size, num_kv_heads, head_dim] of the backend dtype.
+                          head_dim: int, kv_cache_dtype: str = "auto") -> Any:
+        """One layer's zeroed KV cache (``--kv-cache-dtype``).
 
-        Raises ValueError for a non-positive dimension.
+        ``auto``: [num_blocks, 2, block_size, num_kv_heads, head_dim] of the
+        backend dtype. ``int8``: int8 [num_blocks, 2, block_size,
+        num_kv_heads, head_dim + 4], codes then a float32 scale per vector
+        (``kvserve.model.kv_quant``; zero bytes read as zero vectors).
+        Raises ValueError for a non-positive dimension, another
+        ``kv_cache_dtype`` (``kv_quant.check_kv_cache_dtype``'s message), or
+        an int8 head_dim that is not a multiple of 4.
         """
         dims = (num_blocks, block_size, num_kv_heads, head_dim)
         if any(int(d) <= 0 for d in dims):
             raise ValueError(f"allocate_kv_cache: all dimensions must be positive, got {dims}")
+        kv_quant.check_kv_cache_dtype(kv_cache_dtype)
+        if kv_quant.is_quantized(kv_cache_dtype):
+            width = kv_quant.vector_width(head_dim, kv_cache_dtype)
+            return self.xp.zeros((num_blocks, 2, block_size, num_kv_heads, width), np.int8)
         return self.xp.zeros((num_blocks, 2, block_size, num_kv_heads, head_dim), self.dtype)
 
     # ------------------------------------------------------------------ #
@@ -908,7 +1005,10 @@ class CudaOps:
         KV head, runs ``kernels.decode_fused_kernel``: one launch, a
         second (the split-K reduction) only for a context (or window)
         longer than ``partition_size``. Any other step runs the three ops in
-        turn (:meth:`_compose`). Raises ValueError as those ops do.
+        turn (:meth:`_compose`). An int8 ``kv_cache`` (``kvserve.model.kv_quant``)
+        takes a float16 or float32 qkv; its fused route is
+        ``kernels.decode_fused_int8_kernel`` (the new K/V quantized where they
+        are written). Raises ValueError as those ops do.
         """
         window = _check_window(window, "rope_kv_attention")
         plan = getattr(attn, "plan", None)
@@ -919,8 +1019,8 @@ class CudaOps:
                                  num_kv_heads, head_dim, window)
         cache = self._check_cache(kv_cache, "rope_kv_attention")
         qkv = self._float(qkv, "rope_kv_attention: qkv", "[T, (nh + 2 nkv) * hd]", 2,
-                          dtype=cache.dtype)
-        if (cache.shape[3:] != (num_kv_heads, head_dim)
+                          dtype=self._kv_dtype(cache))
+        if (cache.shape[3] != num_kv_heads or _cache_head_dim(cache) != head_dim
                 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim
                 or num_heads % num_kv_heads or head_dim % 2):
             raise ValueError(f"rope_kv_attention: qkv {qkv.shape} and cache {cache.shape} do "
@@ -936,8 +1036,11 @@ class CudaOps:
         exp_sums = xp.empty((N, num_heads, parts), np.float32)
         threads = self._threads(max(min(P, keys), head_dim))
         window32 = np.int32(window)
-        self._launch(kernels.decode_fused_kernel, (N, num_kv_heads, parts), (threads,),
-                     qkv, positions, cos_sin_cache, cache, attn.block_tables, attn.slot_mapping,
+        fused, caches = kernels.decode_fused_kernel, (cache,)
+        if _quantized(cache):
+            fused, caches = kernels.decode_fused_int8_kernel, self._kv_args(cache)
+        self._launch(fused, (N, num_kv_heads, parts), (threads,),
+                     qkv, positions, cos_sin_cache, *caches, attn.block_tables, attn.slot_mapping,
                      plan.tokens, plan.token_seq, plan.token_ctx, np.int32(num_heads),
                      np.float32(scale), window32, np.int32(P), out, tmp_out, max_logits,
                      exp_sums)
@@ -958,9 +1061,11 @@ class CudaOps:
 
     # ------------------------------------------------------------------ #
 
-    def warmup(self) -> None:
+    def warmup(self, kv_cache_dtype: str = "auto") -> None:
         """Run every kernel once on tiny inputs of the backend dtype, so that
-        the first request does not pay Numba's compile time."""
+        the first request does not pay Numba's compile time; with
+        ``kv_cache_dtype`` int8, the KV write and attention kernels of the
+        int8 cache too."""
         to = self.to_device
         nkv, hd, bs = 1, 4, 4
         cache = self.allocate_kv_cache(2, bs, nkv, hd)
@@ -972,11 +1077,15 @@ class CudaOps:
         self.rotary_embedding(to(np.arange(2)), q, k, to(build_rope_cache(hd, 4, 1e4)), hd)
         self.silu_and_mul(x)
         self.gelu_tanh_and_mul(x)
-        self.write_kv(k, k, cache, to(np.arange(2)))
         meta = (to(np.array([[0, 1]], np.int32)), to(np.array([2], np.int32)))
-        for n_new in (1, 2):  # decode route, prefill route
-            self.paged_attention(q[:n_new].copy(), cache, *meta,
-                                 to(np.array([0, n_new], np.int32)), 0.5)
+        caches = [cache]
+        if kv_quant.is_quantized(kv_cache_dtype):
+            caches.append(self.allocate_kv_cache(2, bs, nkv, hd, kv_cache_dtype))
+        for kv in caches:
+            self.write_kv(k, k, kv, to(np.arange(2)))
+            for n_new in (1, 2):  # decode route, prefill route
+                self.paged_attention(q[:n_new].copy(), kv, *meta,
+                                     to(np.array([0, n_new], np.int32)), 0.5)
         wq = to(np.ones((4, 4), np.int8))
         d = self.xp.ones((4, 1), np.float32)
         q4 = BlockQuantizedWeight("q4", to(np.zeros((4, QK // 2), np.uint8)), d, d, "Q4_1")

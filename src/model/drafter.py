@@ -114,12 +114,13 @@ class DraftProposer:
     """
 
     def __init__(self, model: LlamaModel, ops: Ops, num_blocks: int, block_size: int,
-                 seed: int = 0, max_catch_up: int = 2048) -> None:
+                 seed: int = 0, max_catch_up: int = 2048, kv_cache_dtype: str = "auto") -> None:
         config = model.config
         self.model = model
         self.ops = ops
         self.kv_caches = [ops.allocate_kv_cache(num_blocks, block_size,
-                                                config.num_key_value_heads, config.head_dim)
+                                                config.num_key_value_heads, config.head_dim,
+                                                kv_cache_dtype=kv_cache_dtype)
                           for _ in range(config.num_hidden_layers)]
         self._generator = np.random.default_rng([seed, 1])
         self.max_catch_up = max_catch_up

@@ -170,8 +170,13 @@ class Ops(Protocol):
         ...
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
-                          head_dim: int) -> Any:
-        """One layer's zeroed KV cache, [num_blocks, 2, block_size, nkv, hd]."""
+                          head_dim: int, kv_cache_dtype: str = "auto") -> Any:
+        """One layer's zeroed KV cache: ``auto``, [num_blocks, 2, block_size,
+        nkv, hd] in the compute dtype; ``int8``, int8 [num_blocks, 2,
+        block_size, nkv, hd + 4] (codes and a float32 scale per vector,
+        ``kvserve.model.kv_quant``), which every op taking ``kv_cache``
+        accepts as well, telling the two apart by dtype. Raises ValueError
+        for a non-positive dimension or another ``kv_cache_dtype``."""
         ...
 
     def to_device(self, array: np.ndarray) -> Any:

@@ -88,7 +88,7 @@ class ModelRunner:
                  logprobs_mode: str = "processed_logprobs", seed: int = 0,
                  structured: StructuredOutputs | None = None,
                  kv_connector: KVConnector | None = None,
-                 drafter: DraftProposer | None = None) -> None:
+                 drafter: DraftProposer | None = None, kv_cache_dtype: str = "auto") -> None:
         self.config = model_config
         self.model = model
         self.ops = ops
@@ -98,7 +98,8 @@ class ModelRunner:
         #: by one layer of every group (``kvserve.core.kv_layout``).
         self.kv_layout = model_kv_layout(model_config)
         buffers = [ops.allocate_kv_cache(num_blocks, block_size,
-                                         model_config.num_key_value_heads, model_config.head_dim)
+                                         model_config.num_key_value_heads, model_config.head_dim,
+                                         kv_cache_dtype=kv_cache_dtype)
                    for _ in range(self.kv_layout.group_size)]
         #: Per layer, its buffer (the same object for the layers of a slot).
         self.kv_caches = [buffers[slot] for slot in self.kv_layout.layer_slot]
@@ -344,7 +345,8 @@ class ModelRunner:
             state.prompt_logprobs = None
 
 
-def profile_forward(model: LlamaModel, ops: Ops, num_tokens: int, block_size: int) -> None:
+def profile_forward(model: LlamaModel, ops: Ops, num_tokens: int, block_size: int,
+                    kv_cache_dtype: str = "auto") -> None:
     """One forward pass of ``num_tokens`` prompt tokens (a single sequence,
     the largest step the scheduler builds) on a temporary KV cache, then the
     LM head on every row: how a GPU backend measures its activation peak
@@ -354,7 +356,8 @@ def profile_forward(model: LlamaModel, ops: Ops, num_tokens: int, block_size: in
     config = model.config
     num_blocks = -(-num_tokens // block_size)
     caches = [ops.allocate_kv_cache(num_blocks, block_size, config.num_key_value_heads,
-                                    config.head_dim) for _ in range(config.num_hidden_layers)]
+                                    config.head_dim, kv_cache_dtype=kv_cache_dtype)
+              for _ in range(config.num_hidden_layers)]
     positions = np.arange(num_tokens, dtype=np.int64)
     to = ops.to_device
     attn = AttentionMetadata(

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from kvserve.model import kv_quant
+
 
 def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
     """Causal attention of one sequence whose queries are a suffix of its keys.
@@ -70,8 +72,14 @@ def _rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     return x * np.cos(emb) + _rotate_half(x) * np.sin(emb)
 
 
-def reference_forward(weights: dict[str, np.ndarray], cfg: Any, token_ids: list[int]) -> np.ndarray:
+def reference_forward(weights: dict[str, np.ndarray], cfg: Any, token_ids: list[int],
+                      kv_cache_dtype: str = "auto") -> np.ndarray:
     """Dense Llama forward of one sequence; logits of every position.
+
+    With ``kv_cache_dtype`` ``int8`` each layer's rotated K and its V are
+    rounded to float32 and passed through ``kvserve.model.kv_quant``'s
+    reference quantization and back before attention (what a cache in that
+    format gives the attention to read); the rest stays float64.
 
     Args:
         weights: HF tensor names -> arrays (any float dtype):
@@ -127,6 +135,9 @@ def reference_forward(weights: dict[str, np.ndarray], cfg: Any, token_ids: list[
         v = proj("v_proj").reshape(L, nkv, hd)
         q = _rope(q, positions, cfg.rope_theta)
         k = _rope(k, positions, cfg.rope_theta)
+        if kv_cache_dtype == "int8":
+            k = kv_quant.dequantize(kv_quant.quantize(k.astype(np.float32))).astype(np.float64)
+            v = kv_quant.dequantize(kv_quant.quantize(v.astype(np.float32))).astype(np.float64)
         attn = reference_attention(q, k, v, hd ** -0.5).reshape(L, nh * hd)
         h = h + attn @ w(p + "self_attn.o_proj.weight").T
 

@@ -25,6 +25,7 @@ from gguf.quants import quantize as gguf_quantize
 from ops_references import (BS, HD, paged_batch, ref_gelu_tanh_and_mul, ref_rms_norm, ref_rope,
                             reference_attention, rel_err)
 
+from kvserve.model import kv_quant
 from kvserve.model.ggml_blocks import dequantize, from_gguf_bytes
 from kvserve.model.input_batch import BatchInputs
 from kvserve.model.llama import AttentionMetadata
@@ -349,6 +350,77 @@ def test_paged_attention_windowed(backend_ops, case):
     assert rel_err(out, ref) < be.rel
     full = reference_attention(be.rounded(q), kw["seqs"], qsl, dense, HD ** -0.5)
     assert rel_err(full, ref) > 100 * be.rel or kw["window"] > max(c + n for c, n in kw["seqs"])
+
+
+def _int8_cache(cache: np.ndarray) -> np.ndarray:
+    """``paged_batch``'s float64 cache stored as int8 (``kv_quant.quantize``);
+    its NaN vectors (slots outside every context, stale blocks) keep zero
+    codes and the scale NaN, so that reading one still shows."""
+    x = cache.astype(np.float32)
+    nan = np.isnan(x).any(axis=-1)
+    stored = kv_quant.quantize(np.where(np.isnan(x), np.float32(0.0), x))
+    stored[nan, HD:] = np.array([np.nan], "<f4").view(np.int8)
+    return stored
+
+
+#: int8 KV cache cases: decode and chunks, GQA, windows (the CPU's BLAS route too).
+INT8_CASES = {
+    "mixed-decode-prefill-padding": ATTENTION_CASES["mixed-decode-prefill-padding"],
+    "gqa-3": ATTENTION_CASES["gqa-3"],
+    "prefill-across-window": WINDOW_CASES["prefill-across-window"],
+    "long-chunk-and-padding": WINDOW_CASES["long-chunk-and-padding"],
+}
+
+
+def test_allocate_kv_cache_int8_and_write_kv_quantizes(backend_ops):
+    """``--kv-cache-dtype int8``: a zeroed int8 [..., HD + 4] cache; write_kv
+    stores ``kv_quant.quantize`` of the (dtype-rounded) rows byte for byte."""
+    be = backend_ops
+    nkv, T = 2, 5
+    cache = be.ops.allocate_kv_cache(3, BS, nkv, HD, kv_cache_dtype="int8")
+    host = be.back(cache)
+    assert host.dtype == np.int8 and host.shape == (3, 2, BS, nkv, HD + 4) and not host.any()
+    rng = np.random.default_rng(21)
+    k, v = (rng.standard_normal((T, nkv, HD)) * rng.uniform(0.01, 100, (T, nkv, 1))
+            for _ in range(2))
+    k[2, 1] = 0.0  # a zero vector: scale 0, codes 0
+    slots = np.array([5, -1, 0, 11, -7], np.int64)
+    assert be.ops.write_kv(be.to(k), be.to(v), cache, be.to(slots)) is None
+    expected = np.zeros((3, 2, BS, nkv, HD + 4), np.int8)
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            for i, x in enumerate((k, v)):
+                expected[slot // BS, i, slot % BS] = kv_quant.quantize(
+                    be.rounded(x[t]).astype(np.float32))
+    np.testing.assert_array_equal(be.back(cache), expected)
+    with pytest.raises(ValueError):
+        be.ops.allocate_kv_cache(3, BS, nkv, HD, kv_cache_dtype="bf16")
+
+
+@pytest.mark.parametrize("case", sorted(INT8_CASES))
+def test_paged_attention_int8(backend_ops, case):
+    """Attention over an int8 cache is attention over its dequantized K/V;
+    the NaN scales of slots outside the contexts and of the blocks before
+    a window never reach the output."""
+    be = backend_ops
+    kw = {"group": 1, "pad_tokens": 0, "window": 0, **INT8_CASES[case]}
+    rng = np.random.default_rng(16)
+    q, cache, bt, sl, qsl, _ = paged_batch(rng, kw["seqs"], 2, kw["group"], kw["pad_tokens"],
+                                           window=kw["window"])
+    stored = _int8_cache(cache)
+    windowed = {"window": kw["window"]} if kw["window"] else {}
+    out = be.back(be.ops.paged_attention(be.to(q), be.to(stored), be.to(bt), be.to(sl),
+                                         be.to(qsl), HD ** -0.5, **windowed))
+    assert out.dtype == be.dtype and not np.isnan(out).any()
+    assert not out[int(qsl[-1]):].any()
+    deq = kv_quant.dequantize(stored).astype(np.float64)  # NaN where never to be read
+    dense = []
+    for s, (c, n) in enumerate(kw["seqs"]):
+        pos = np.arange(c + n)
+        dense.append(deq[bt[s, pos // BS], :, pos % BS].transpose(1, 0, 2, 3))
+    ref = reference_attention(be.rounded(q), kw["seqs"], qsl, dense, HD ** -0.5,
+                              window=kw["window"])
+    assert rel_err(out, ref) < be.rel
 
 
 def test_paged_attention_no_sequences_and_bad_metadata(backend_ops):

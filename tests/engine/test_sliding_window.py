@@ -43,12 +43,18 @@ def gemma(tmp_path_factory):
     return write_byte_tokenizer(write_tiny_gemma(folder, TinyGemmaSpec()))
 
 
-def _core(folder, free_behind_window: bool):
+#: Bytes of one block (one layer of 4, 4 tokens): 4 x 2 x 1 KV head x
+#: (32 x 4 bytes) in float32 (1 KiB); x (32 + 4) bytes in int8 (codes and a
+#: scale).
+BLOCK_BYTES = {"auto": 4 * 2 * 1 * 32 * 4, "int8": 4 * 2 * 1 * (32 + 4)}
+
+
+def _core(folder, free_behind_window: bool, kv_cache_dtype: str = "auto"):
     core = build_engine_core(EngineConfig(
         model=str(folder), num_threads=1, batch_invariant=True,
-        # a block holds one layer of 4: 4 tokens x 2 x 32 x 4 bytes = 1 KiB;
         # 120 blocks, so that freed blocks are soon taken by others
-        cache=CacheConfig(block_size=BS, kv_cache_memory=120 * 1024),
+        cache=CacheConfig(block_size=BS, kv_cache_memory=120 * BLOCK_BYTES[kv_cache_dtype],
+                          kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=8, max_model_len=96,
                                   async_scheduling=False)))
     manager = core.scheduler.kv_cache_manager
@@ -97,9 +103,14 @@ def _run(core):
     return list(probe.output_token_ids), logprobs, peak, reused
 
 
-def test_a_long_request_frees_its_sliding_blocks_and_its_output_is_unchanged(gemma):
-    tokens, logprobs, peak, reused = _run(_core(gemma, free_behind_window=True))
-    ref_tokens, ref_logprobs, ref_peak, _ = _run(_core(gemma, free_behind_window=False))
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_long_request_frees_its_sliding_blocks_and_its_output_is_unchanged(gemma,
+                                                                            kv_cache_dtype):
+    """Also over an int8 cache (``--kv-cache-dtype int8``): a freed block
+    taken by a companion holds its codes and scales, which the probe's
+    windows never read."""
+    tokens, logprobs, peak, reused = _run(_core(gemma, True, kv_cache_dtype))
+    ref_tokens, ref_logprobs, ref_peak, _ = _run(_core(gemma, False, kv_cache_dtype))
     assert len(tokens) == OUTPUT
     assert tokens == ref_tokens and logprobs == ref_logprobs  # bit-identical
     # 90 tokens = 23 blocks. All layers full: 4 groups x 23 = 92 blocks.

@@ -75,7 +75,7 @@ def reference(weights, config, token_ids) -> np.ndarray:
 
 
 def run_steps(model: LlamaModel, ops: Ops, seqs, steps, block_size: int, num_blocks: int,
-              rng) -> list[np.ndarray]:
+              rng, kv_cache_dtype: str = "auto") -> list[np.ndarray]:
     """Run ``steps`` (lists of (seq, start, end) chunks) through ``model.forward``.
 
     Each sequence gets shuffled, non-contiguous physical blocks; every token's
@@ -83,7 +83,8 @@ def run_steps(model: LlamaModel, ops: Ops, seqs, steps, block_size: int, num_blo
     """
     cfg = model.config
     caches = [ops.allocate_kv_cache(num_blocks, block_size, cfg.num_key_value_heads,
-                                    cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
+                                    cfg.head_dim, kv_cache_dtype=kv_cache_dtype)
+              for _ in range(cfg.num_hidden_layers)]
     per_seq = num_blocks // len(seqs)
     perm = rng.permutation(num_blocks).astype(np.int32)
     tables = perm[: per_seq * len(seqs)].reshape(len(seqs), per_seq)
@@ -188,12 +189,12 @@ def check_against_reference(weights, config, request: Request, entries: list) ->
 
 
 def make_runner(config, weights, ops, num_blocks: int, block_size: int,
-                budget: int, max_num_seqs: int = 8):
+                budget: int, max_num_seqs: int = 8, kv_cache_dtype: str = "auto"):
     from kvserve.core.scheduler import Scheduler
 
     model = LlamaModel(config, weights, ops)
     runner = ModelRunner(config, model, ops, num_blocks, block_size,
-                         logprobs_mode="raw_logits")
+                         logprobs_mode="raw_logits", kv_cache_dtype=kv_cache_dtype)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget,
                                           max_num_seqs=max_num_seqs,
