@@ -269,7 +269,7 @@ def _build_scheduler(config: EngineConfig, plan: KVCachePlan, layout: KVLayout,
     its own (the connector is the worker's)."""
     tier = connector.tier if connector is not None else None
     use_tier = tier is not None and config.cache.enable_prefix_caching
-    external = layout.attach_tier(tier.path) if use_tier else None
+    external = connector.lookup_view() if use_tier else None  # memory tier (+ disk tier)
     windows = plan.layout.windows if plan.layout is not None else (None,)
     kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching,
                         external=external, windows=windows)

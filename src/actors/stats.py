@@ -79,6 +79,10 @@ class StatsActor(Actor):
                 obs.on_spec_decode(message.spec)
             if message.transfer is not None:
                 obs.on_kv_transfer(message.transfer)
+                if obs.metrics is not None:  # tiers below the memory tier (the disk's)
+                    for tier, (queries, hits) in getattr(message.transfer, "offload_tiers",
+                                                         {}).items():
+                        obs.metrics.observe_offload(queries, hits, tier)
             obs.on_step(message.output, message.start, message.end, message.times)
         elif isinstance(message, StepScheduled):
             obs.on_schedule(message.output, message.num_running, message.num_waiting,

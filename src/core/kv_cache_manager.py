@@ -341,9 +341,14 @@ class PrefixCacheStats:
     queries: int = 0
     hits: int = 0
     divergences: int = 0
-    #: Tokens looked up in / loaded from the offload tier (after local misses).
+    #: Tokens looked up in / loaded from the offload tier (after local misses;
+    #: with a disk tier, hits in the memory tier only).
     external_queries: int = 0
     external_hits: int = 0
+    #: With a disk tier under it: tokens the memory tier missed (looked up
+    #: on disk) and tokens loaded from disk (not in ``external_hits``).
+    external_disk_queries: int = 0
+    external_disk_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -432,6 +437,7 @@ class KVCacheManager:
                               reserve_null=self.window is not None)
         self.null_block = self.pool.null_block
         self.external: ExternalKV | None = None
+        self._last_disk_blocks: int | None = None  # of the last look-up; None: no disk tier
         self.set_external(external)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -574,7 +580,13 @@ class KVCacheManager:
         if num_hit_blocks >= max_blocks:
             return 0
         self.update_block_hashes(request)
-        return self.external.lookup(request.block_hashes[num_hit_blocks:max_blocks])
+        hashes = request.block_hashes[num_hit_blocks:max_blocks]
+        lookup_tiers = getattr(self.external, "lookup_tiers", None)  # memory + disk
+        if lookup_tiers is None:
+            self._last_disk_blocks = None
+            return self.external.lookup(hashes)
+        in_memory, self._last_disk_blocks = lookup_tiers(hashes)
+        return in_memory + self._last_disk_blocks
 
     def record_external(self, request: Request, num_hit_blocks: int, num_loaded: int) -> None:
         """Count an admission's tier look-up (tokens): the full blocks the
@@ -582,8 +594,14 @@ class KVCacheManager:
         if self.external is None or not self._uses_prefix_cache(request):
             return
         max_blocks = (request.num_tokens - 1) // self.block_size
-        self.stats.external_queries += max(0, max_blocks - num_hit_blocks) * self.block_size
-        self.stats.external_hits += num_loaded * self.block_size
+        queried = max(0, max_blocks - num_hit_blocks) * self.block_size
+        self.stats.external_queries += queried
+        # the admission's look-up was the last one: its disk part
+        on_disk = min(num_loaded, self._last_disk_blocks or 0) * self.block_size
+        self.stats.external_hits += num_loaded * self.block_size - on_disk
+        if self._last_disk_blocks is not None:
+            self.stats.external_disk_queries += queried - (num_loaded * self.block_size - on_disk)
+            self.stats.external_disk_hits += on_disk
 
     def take_stored(self) -> list[BlockTransfer]:
         """The blocks registered since the last call and still under their

@@ -15,7 +15,8 @@ pass writes anything (in this order):
   offload tier or from a decode replica's imported blocks instead of being
   computed; they then count as computed and as prefix-cache entries.
 
-The scheduler asks the tier only which hashes it holds (``ExternalKV``);
+The scheduler asks the tier only which hashes it holds (``ExternalKV``; with
+a disk tier under the memory tier, ``TieredExternalKV``);
 moving bytes is the worker's job (``kvserve.distributed.kv_connector``).
 Pure data and protocols: no asyncio, no arrays.
 """
@@ -44,4 +45,16 @@ class ExternalKV(Protocol):
         """How many of ``block_hashes``, from the first, the store holds and
         promises to keep until the step that loads them has run (a lease).
         Never raises for a missing or unreachable store: it answers 0."""
+        ...
+
+
+class TieredExternalKV(ExternalKV, Protocol):
+    """An ``ExternalKV`` of two tiers, memory and a disk tier under it
+    (``kvserve.distributed.kv_connector.TieredLookup``): the block manager
+    counts each tier's hits apart (``PrefixCacheStats.external_disk_*``)."""
+
+    def lookup_tiers(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
+        """``(memory, disk)``: blocks of ``block_hashes``, from the first,
+        the memory tier holds, then those the disk tier holds after them;
+        ``lookup`` is their sum. Leases them as ``lookup`` does."""
         ...

@@ -118,8 +118,14 @@ class DataParallelClient:
         threads = config.num_threads or max(1, int(ray.available_resources().get("CPU", 1))
                                             // num_replicas)
         tier_bytes = int(config.cache.kv_offloading_size * 2**30)
+        if config.cache.kv_offloading_backend == "disk":
+            log.warning("kv_offload_disk_not_shared", path=config.cache.kv_offloading_path,
+                        message="--kv-offloading-backend disk is not used with "
+                                "--data-parallel-size yet: the replicas share the memory tier "
+                                "only")
         config = replace(config, num_threads=threads,
-                         cache=replace(config.cache, kv_offloading_size=0.0))
+                         cache=replace(config.cache, kv_offloading_size=0.0,
+                                       kv_offloading_backend="native", kv_offloading_path=None))
         # Ray restarts a dead replica's process; the poll loop then starts its engine again
         actor = ray.remote(num_cpus=threads, max_restarts=-1, max_task_retries=0)(EngineReplica)
         replicas = [actor.remote(i, config, model_name, request_timeout, stats_interval)

@@ -250,6 +250,12 @@ class SharedHostTier:
                 count += 1
         return count
 
+    def holds(self, block_hashes: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``block_hashes`` is ready in the tier now (no
+        lease, no use: the caller reads those it leased earlier)."""
+        with self._locked():
+            return [self._find(block_hash) >= 0 for block_hash in block_hashes]
+
     def clear(self) -> None:
         """Forget every block (slots become empty; leases are dropped)."""
         with self._locked():

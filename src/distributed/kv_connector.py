@@ -23,6 +23,7 @@ scheduler looks blocks up in the tier through a mapping of its own
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import structlog
 
 from kvserve.core.kv_transfer import BlockTransfer
 from kvserve.core.outputs import SchedulerOutput
+from kvserve.distributed.disk_tier import DiskTier
 from kvserve.distributed.host_tier import BlockLost, SharedHostTier
 
 log = structlog.get_logger("kvserve.kv_connector")
@@ -44,9 +46,15 @@ IMPORT_TTL_SECONDS = 120.0
 @dataclass
 class TransferStats:
     """One step's copies per direction (``offload``, ``onload``, ``export``,
-    ``import``): ``{direction: [blocks, bytes, seconds]}``."""
+    ``import``; with a disk tier ``disk_read``, and ``disk_write`` /
+    ``disk_drop`` for the writer thread's writes and dropped writes since the
+    last step): ``{direction: [blocks, bytes, seconds]}``. ``offload_tiers``:
+    the look-ups of tiers below the memory tier, ``{"disk": [queries, hits]}``
+    in tokens (the memory tier's are the scheduler output's
+    ``kv_offload_queries`` / ``kv_offload_hits``)."""
 
     by_direction: dict[str, list[float]] = field(default_factory=dict)
+    offload_tiers: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, direction: str, blocks: int, nbytes: int, seconds: float) -> None:
         entry = self.by_direction.setdefault(direction, [0, 0, 0.0])
@@ -108,6 +116,32 @@ class KVLayout:
         return KVConnector(ops, self.block_shape, self.dtype, self.fingerprint)
 
 
+class TieredLookup:
+    """The scheduler's view of a memory tier with a disk tier under it (a
+    ``kv_transfer.ExternalKV``): a prefix is found in the memory tier, then
+    continued on disk. ``memory``: the scheduler's own mapping of the tier
+    (closed by ``close``); ``disk``: the worker connector's ``DiskTier``
+    (one per process; its index is thread-safe; never closed here)."""
+
+    def __init__(self, memory: SharedHostTier, disk: DiskTier) -> None:
+        self.memory = memory
+        self.disk = disk
+
+    def lookup_tiers(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
+        """Blocks of ``block_hashes``, from the first, found in memory, then
+        on disk after those: ``(memory, disk)``; both leased. No file I/O."""
+        in_memory = self.memory.lookup(block_hashes)
+        return in_memory, self.disk.lookup(block_hashes[in_memory:])
+
+    def lookup(self, block_hashes: Sequence[bytes]) -> int:
+        """Blocks found in both tiers together (``ExternalKV.lookup``)."""
+        return sum(self.lookup_tiers(block_hashes))
+
+    def close(self) -> None:
+        """Unmap the memory tier (the disk tier is the connector's)."""
+        self.memory.close()
+
+
 @dataclass
 class _Import:
     hashes: dict[bytes, int]  # block hash -> row of data
@@ -135,6 +169,9 @@ class KVConnector:
         self.fingerprint = fingerprint
         self.tier: SharedHostTier | None = None
         self.owns_tier = False
+        #: The disk tier under the memory tier (``open_disk``), or None.
+        self.disk: DiskTier | None = None
+        self._disk_reported = ([0, 0, 0.0], [0, 0, 0.0])  # writes, drops already in stats
         self._imports: dict[str, _Import] = {}
         self._poisoned: set[int] = set()
 
@@ -152,6 +189,24 @@ class KVConnector:
         self.tier = SharedHostTier.attach(path, self.block_shape, self.dtype, self.fingerprint)
         self.owns_tier = False
         return self.tier
+
+    def open_disk(self, directory: str, size_bytes: int) -> DiskTier:
+        """Open (scan) the disk tier in ``directory``, bounded to
+        ``size_bytes``, under the memory tier. Raises ``ValueError`` if not
+        one block fits, ``OSError`` if the folder cannot be made."""
+        self.disk = DiskTier(directory, self.block_shape, self.dtype, self.fingerprint,
+                             size_bytes, verify_in_background=True)
+        return self.disk
+
+    def lookup_view(self):
+        """The scheduler's ``ExternalKV``: a mapping of its own of the memory
+        tier, continued on this connector's disk tier when there is one.
+        Raises ``ValueError`` without a memory tier."""
+        if self.tier is None:
+            raise ValueError("this connector has no offload tier")
+        memory = SharedHostTier.attach(self.tier.path, self.block_shape, self.dtype,
+                                       self.fingerprint)
+        return memory if self.disk is None else TieredLookup(memory, self.disk)
 
     # ----------------------------------------------------------- imports
 
@@ -200,8 +255,25 @@ class KVConnector:
                                                       result.stats)
         if output.kv_loads:
             self._load(kv_caches, output.kv_loads, result.stats)
+        if self.disk is not None:
+            self._disk_stats(output, result.stats)
         self.drop_imports(output.finished_request_ids)
         return result
+
+    def _disk_stats(self, output: SchedulerOutput, stats: TransferStats) -> None:
+        """The disk tier's look-ups of this step (tokens the memory tier
+        missed, tokens loaded from disk) and the writer's writes and dropped
+        writes since the last step."""
+        disk_hits = int(stats.by_direction.get("disk_read", [0])[0]) * self.block_shape[2]
+        queries = output.kv_offload_queries - output.kv_offload_hits
+        if queries or disk_hits:
+            stats.offload_tiers["disk"] = [queries, disk_hits]
+        writes, dropped = self.disk.snapshot()
+        for direction, now, before in (("disk_write", writes, self._disk_reported[0]),
+                                       ("disk_drop", dropped, self._disk_reported[1])):
+            if now[0] != before[0]:
+                stats.add(direction, now[0] - before[0], now[1] - before[1], now[2] - before[2])
+                before[:] = now
 
     def _gather(self, kv_caches: Sequence, block_ids: Sequence[int]) -> np.ndarray:
         """Host ``[len(block_ids), num_layers, 2, bs, nkv, hd]`` of these blocks."""
@@ -215,12 +287,26 @@ class KVConnector:
             cache[ids] = self.ops.to_device(np.ascontiguousarray(blocks[:, layer]))
 
     def _save(self, kv_caches: Sequence, saves: list[BlockTransfer], stats: TransferStats) -> None:
+        """Save blocks to the memory tier and, with a disk tier, queue the
+        ones it lacks for the disk writer: host copies (``_gather`` makes a
+        new array), so the device blocks may be reused at once."""
         t0 = time.perf_counter()
+        copies: dict[int, np.ndarray] = {}  # index in saves -> host copy
 
         def write(slots: np.ndarray, indices: np.ndarray) -> None:
-            self.tier.data[slots] = self._gather(kv_caches, [saves[i].block_id for i in indices])
+            data = self._gather(kv_caches, [saves[i].block_id for i in indices])
+            self.tier.data[slots] = data
+            copies.update(zip(indices.tolist(), data))
         written = self.tier.store([s.block_hash for s in saves], write)
         stats.add("offload", written, written * self.tier.slot_bytes, time.perf_counter() - t0)
+        if self.disk is not None:
+            missing = [i for i, s in enumerate(saves) if not self.disk.contains(s.block_hash)]
+            rest = [i for i in missing if i not in copies]
+            if rest:
+                copies.update(zip(rest, self._gather(kv_caches, [saves[i].block_id
+                                                                 for i in rest])))
+            for i in missing:
+                self.disk.put(saves[i].block_hash, copies[i])
 
     def _export(self, kv_caches: Sequence, blocks: list[BlockTransfer],
                 stats: TransferStats) -> ExportedKV:
@@ -248,6 +334,11 @@ class KVConnector:
         if from_tier and self.tier is None:
             raise BlockLost(f"the imported KV blocks of {from_tier[0].request_id!r} are gone "
                             "(dropped before the step that loads them)")
+        from_disk: list[BlockTransfer] = []
+        if from_tier and self.disk is not None:
+            held = self.tier.holds([b.block_hash for b in from_tier])
+            from_disk = [b for b, h in zip(from_tier, held) if not h]
+            from_tier = [b for b, h in zip(from_tier, held) if h]
         if from_tier:
             t0 = time.perf_counter()
 
@@ -256,28 +347,48 @@ class KVConnector:
             self.tier.read_into([b.block_hash for b in from_tier], read)
             stats.add("onload", len(from_tier), len(from_tier) * self.tier.slot_bytes,
                       time.perf_counter() - t0)
+        if from_disk:
+            t0 = time.perf_counter()
+            data = np.stack([self.disk.read(b.block_hash) for b in from_disk])
+            self._scatter(kv_caches, [b.block_id for b in from_disk], data)
+            stats.add("disk_read", len(from_disk), len(from_disk) * self.disk.file_bytes,
+                      time.perf_counter() - t0)
 
     def close(self) -> None:
-        """Unmap the tier (and delete it if this engine created it)."""
+        """Unmap the tier (and delete it if this engine created it); finish
+        the disk tier's queued writes and stop its writer."""
         if self.tier is not None:
             self.tier.unlink() if self.owns_tier else self.tier.close()
             self.tier = None
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
 
 
 def build_kv_connector(ops, layout: KVLayout, cache_config) -> KVConnector | None:
     """The engine's connector when ``cache_config`` (``CacheConfig``) asks
-    for an offload tier (attached at ``kv_offloading_path``, or created
+    for an offload tier (attached at ``kv_offloading_shm_path``, or created
     with ``kv_offloading_size`` GiB); None otherwise: the worker builds one
     when a step first transfers blocks (an export, an import) or a tier is
-    attached later. Raises ``ValueError`` for a tier made for another model
-    (``layout.fingerprint``) or one too small for a block."""
-    if not (cache_config.kv_offloading_path or cache_config.kv_offloading_size > 0):
+    attached later. With ``kv_offloading_backend`` ``disk`` the connector
+    also opens the disk tier in ``kv_offloading_path`` (``DiskTier``, at
+    most ``kv_offloading_disk_size`` GiB). Raises ``ValueError`` for a tier
+    made for another model (``layout.fingerprint``) or one too small for a
+    block, ``OSError`` for a disk folder that cannot be made."""
+    if not (cache_config.kv_offloading_shm_path or cache_config.kv_offloading_size > 0):
         return None
     connector = layout.connector(ops)
-    if cache_config.kv_offloading_path:
-        connector.attach_tier(cache_config.kv_offloading_path)
+    if cache_config.kv_offloading_shm_path:
+        connector.attach_tier(cache_config.kv_offloading_shm_path)
     else:
         connector.create_tier(int(cache_config.kv_offloading_size * 2**30))
+    if getattr(cache_config, "kv_offloading_backend", "native") == "disk":
+        try:
+            connector.open_disk(cache_config.kv_offloading_path,
+                                int(cache_config.kv_offloading_disk_size * 2**30))
+        except BaseException:
+            connector.close()
+            raise
     return connector
 
 
@@ -294,6 +405,30 @@ def log_offload_tier(connector: KVConnector) -> None:
              message=f"KV offload tier: {size / 2**30:.2f} GiB of shared memory, "
                      f"{tier.num_slots:,} blocks ({tokens:,} tokens), "
                      f"{'created' if connector.owns_tier else 'attached'} at {tier.path}")
+    if connector.disk is not None:
+        log_disk_tier(connector.disk)
+
+
+def log_disk_tier(disk: DiskTier) -> None:
+    """``kv_offload_disk_tier``: the disk tier's folder, bound, and what the
+    start-up scan found (blocks, bytes, files removed and why)."""
+    scan = disk.scan_report
+    removed = sum(scan.removed.values())
+    why = ", ".join(f"{n} {reason}" for reason, n in sorted(scan.removed.items()))
+    log.info("kv_offload_disk_tier", path=str(disk.folder), num_blocks=scan.blocks,
+             bytes=scan.bytes, max_blocks=disk.max_blocks, removed=dict(scan.removed),
+             unverified=scan.unverified,
+             message=f"KV disk tier at {disk.folder}: found {scan.blocks + scan.unverified:,} "
+                     f"blocks of at most {disk.max_blocks:,}; removed {removed} file(s)"
+                     f"{f' ({why})' if why else ''}"
+                     + (f"; checking the checksums of {scan.unverified:,} in the background "
+                        "(each is used once checked)" if scan.unverified else ""))
+    stat = os.statvfs(disk.folder)
+    room = stat.f_bavail * stat.f_frsize + scan.bytes
+    if room < disk.max_blocks * disk.file_bytes:
+        log.warning("kv_offload_disk_small", path=str(disk.folder), room_bytes=room,
+                    message=f"--kv-offloading-disk-size is more than the {room / 2**30:.1f} GiB "
+                            f"free in {disk.root}: writes will fail (and be dropped) when full")
 
 
 def _by_request(transfers: Iterable[BlockTransfer]) -> dict[str, list[BlockTransfer]]:

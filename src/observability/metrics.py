@@ -90,8 +90,13 @@ METRICS: dict[str, str] = {
 }
 #: Directions of ``kv_transfer_*``: cache -> offload tier, tier -> cache,
 #: cache -> host for a decode replica (prefill side), Ray object store ->
-#: decode replica, host -> cache (decode side).
-KV_TRANSFER_DIRECTIONS = ("offload", "onload", "export", "fetch", "import")
+#: decode replica, host -> cache (decode side); disk tier -> cache, blocks
+#: written to the disk tier, and writes dropped (the writer's queue was full).
+KV_TRANSFER_DIRECTIONS = ("offload", "onload", "export", "fetch", "import",
+                          "disk_read", "disk_write", "disk_drop")
+#: Tiers of ``kv_offload_queries`` / ``kv_offload_hits``: the shared-memory
+#: tier, and the disk tier under it (queried for what memory missed).
+KV_OFFLOAD_TIERS = ("memory", "disk")
 
 
 def exposed_series(name: str) -> tuple[str, ...]:
@@ -274,15 +279,22 @@ class EngineMetrics:
         self._spec_per_pos.labels(model_name, "0")
 
     def _kv_transfer_metrics(self, model_name: str) -> None:
-        self.offload_queries = self._counter(
-            "kv_offload_queries", "KV offload tier queries, in tokens: full prompt blocks the "
-            "local prefix cache missed at admission. kvserve-specific.")
-        self.offload_hits = self._counter(
-            "kv_offload_hits", "KV offload tier hits, in tokens: prompt tokens loaded from the "
-            "tier instead of computed. kvserve-specific.")
+        queries = Counter(
+            PREFIX + "kv_offload_queries", "KV offload tier queries, in tokens, by tier: full "
+            "prompt blocks the local prefix cache missed at admission (memory), and those the "
+            "memory tier missed too (disk). kvserve-specific.", ["model_name", "tier"],
+            registry=self.registry)
+        hits = Counter(
+            PREFIX + "kv_offload_hits", "KV offload tier hits, in tokens, by tier: prompt tokens "
+            "loaded from the tier instead of computed. kvserve-specific.",
+            ["model_name", "tier"], registry=self.registry)
+        self.offload_tiers = {tier: (queries.labels(model_name, tier),
+                                     hits.labels(model_name, tier)) for tier in KV_OFFLOAD_TIERS}
+        self.offload_queries, self.offload_hits = self.offload_tiers["memory"]
         labels = ["model_name", "direction"]
         blocks = Counter(PREFIX + "kv_transfer_blocks", "KV blocks moved, by direction "
-                         "(offload, onload, export, fetch, import). kvserve-specific.",
+                         "(offload, onload, export, fetch, import; disk_read, disk_write, "
+                         "disk_drop). kvserve-specific.",
                          labels, registry=self.registry)
         nbytes = Counter(PREFIX + "kv_transfer_bytes", "Bytes of KV blocks moved, by "
                          "direction. kvserve-specific.", labels, registry=self.registry)
@@ -348,12 +360,13 @@ class EngineMetrics:
         if divergences:
             self.prefix_divergences.inc(divergences)
 
-    def observe_offload(self, queries: int, hits: int) -> None:
-        """Tokens looked up in / loaded from the offload tier."""
+    def observe_offload(self, queries: int, hits: int, tier: str = "memory") -> None:
+        """Tokens looked up in / loaded from an offload tier (``KV_OFFLOAD_TIERS``)."""
+        tier_queries, tier_hits = self.offload_tiers[tier]
         if queries:
-            self.offload_queries.inc(queries)
+            tier_queries.inc(queries)
         if hits:
-            self.offload_hits.inc(hits)
+            tier_hits.inc(hits)
 
     def observe_spec_decode(self, stats) -> None:
         """A step's speculative decoding counts (``core.spec_decode.SpecDecodingStats``)."""
