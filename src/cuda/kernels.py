@@ -10,8 +10,9 @@ kernel converts to float32 on load, accumulates in float32 and rounds once on
 store.  bfloat16 is not a kernel dtype: the backend converts bf16 checkpoints
 to float16 when it loads them (``CudaOps.to_device``).  The KV cache may
 also be int8 (``--kv-cache-dtype int8``: codes and a float32 scale per
-vector, ``kvserve.model.kv_quant``), which the ``*_int8_kernel``s at the end
-of this file write and read; the float kernels are unchanged by it.
+vector, ``kvserve.model.kv_quant``), which the ``*_int8_kernel``s write and
+read; each attention kernel is written once for both caches (see the
+int8 section), and the float kernels compute what they did without it.
 
 Launch mappings are 1-D blocks of any size up to :data:`MAX_BLOCK_THREADS`
 (the matmuls, in :mod:`kvserve.cuda.gemv_kernels`, are 2-D): loops stride
@@ -270,8 +271,174 @@ def write_kv_kernel(k, v, kv_cache, slot_mapping):
 
 
 # --------------------------------------------------------------------------- #
+# The int8 KV cache (``--kv-cache-dtype int8``, ``kvserve.model.kv_quant``)
+# --------------------------------------------------------------------------- #
+#
+# One int8 array per layer, ``kv_cache[num_blocks, 2, block_size, nkv,
+# hd + 4]``: each vector is hd codes then the 4 bytes of its float32 scale s
+# (value = code * s). The kernels take the cache twice: as int8 (the codes)
+# and as its float32 view ``kv_scales[num_blocks, 2, block_size, nkv,
+# (hd + 4) / 4]`` (``kv_cache.view(float32)``), where a vector's scale is
+# element ``hd // 4``. A vector is quantized by the block that writes it
+# (a max reduction over hd, then the codes and the scale), and dequantized
+# inside attention: a key's dot product with the codes is scaled once
+# (``s_k * sum_d q_d c_d``), and a value's scale folds into its softmax
+# weight (``(p_j s_v) * c_d``).
+#
+# Each attention kernel is written once, in a factory (``_make_*``) whose
+# ``quantized`` flag is a closure constant: Numba prunes the branches of the
+# other cache at compile time, so the float (``auto``) kernel compiles to
+# the code it had before the int8 cache, and the ``*_int8_kernel`` adds
+# only the scale reads (and the fused kernel's quantizing write,
+# :func:`_write_kv_int8`). The kernels themselves are one-call wrappers
+# with their own signatures (the float ones take no ``kv_scales``).
+
+
+@cuda.jit(device=True)
+def _kv_code(x, inv):
+    """int8 code of float32 ``x`` times ``inv`` (127 / max|x| of its vector):
+    rint, round half to even (llrint on a GPU), clipped to [-127, 127]."""
+    c = round(x * inv)
+    return _min(_max(c, -INT8_MAX), INT8_MAX)
+
+
+@cuda.jit(device=True)
+def _kv_inverse(absmax):
+    """127 / ``absmax`` in float32, 0 for an all-zero vector (its codes are 0)."""
+    return float32(INT8_MAX) / absmax if absmax > _ZERO else _ZERO
+
+
+@cuda.jit(device=True)
+def _write_kv_int8(k_row, v_row, kv_cache, kv_scales, b, o, h, hd, red_k, red_v):
+    """Quantize one token's key and value vectors of KV head ``h`` into slot
+    (block ``b``, offset ``o``) of the int8 cache.
+
+    k_row, v_row: [>= hd] float16/float32 (views of the token's rows, or
+    shared memory); kv_cache, kv_scales as :func:`write_kv_int8_kernel`'s;
+    red_k, red_v: distinct shared float32[MAX_BLOCK_THREADS]. Per vector x:
+    s = max|x| / 127, codes = clip(rint(x * (127 / max|x|)), -127, 127),
+    0 and zero codes for x = 0, all in float32 (``kv_quant.quantize``, bit
+    for bit). Threads stride over hd; two block max reductions (two
+    barriers), reached by every thread of the block.
+    """
+    k_max = _ZERO
+    v_max = _ZERO
+    for d in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
+        k_max = _max(k_max, abs(float32(k_row[d])))
+        v_max = _max(v_max, abs(float32(v_row[d])))
+    k_max = _block_max(red_k, k_max)
+    v_max = _block_max(red_v, v_max)
+    k_inv = _kv_inverse(k_max)
+    v_inv = _kv_inverse(v_max)
+    for d in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
+        kv_cache[b, 0, o, h, d] = _kv_code(float32(k_row[d]), k_inv)
+        kv_cache[b, 1, o, h, d] = _kv_code(float32(v_row[d]), v_inv)
+    if cuda.threadIdx.x == 0:
+        kv_scales[b, 0, o, h, hd // 4] = k_max / float32(INT8_MAX)
+        kv_scales[b, 1, o, h, hd // 4] = v_max / float32(INT8_MAX)
+
+
+@cuda.jit
+def write_kv_int8_kernel(k, v, kv_cache, kv_scales, slot_mapping):
+    """Quantize and scatter new K/V rows into the int8 paged cache.
+
+    k, v: [T, nkv, hd] float16/float32; kv_cache: int8[num_blocks, 2,
+    block_size, nkv, hd + 4]; kv_scales: its float32 view (scale at
+    ``hd // 4``); slot_mapping: int64[T], a negative slot is padding and is
+    skipped (slots checked in range). Per vector x (token t, head h; K and
+    V): s = max|x| / 127, codes = clip(rint(x * (127 / max|x|)), -127, 127),
+    0 and zero codes for x = 0, all in float32 (``kv_quant.quantize``, bit
+    for bit; :func:`_write_kv_int8`).
+    Mapping: grid (T, nkv), threads stride over hd; two block max
+    reductions (K's and V's, distinct buffers: two barriers).
+    """
+    red_k = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+    red_v = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+    t, h = cuda.blockIdx.x, cuda.blockIdx.y
+    slot = slot_mapping[t]
+    if slot < 0:  # uniform for the block: before any barrier
+        return
+    block_size = kv_cache.shape[2]
+    b = slot // block_size
+    o = slot - b * block_size
+    _write_kv_int8(k[t, h], v[t, h], kv_cache, kv_scales, b, o, h, k.shape[2], red_k, red_v)
+
+
+# --------------------------------------------------------------------------- #
 # Paged attention, decode: split-K ("flash decoding", vLLM paged_attention_v2)
 # --------------------------------------------------------------------------- #
+
+
+def _make_decode_partition(quantized):
+    """The body of :func:`decode_partition_kernel` (``quantized`` False) or
+    of :func:`decode_partition_int8_kernel` (True): a device function with
+    the int8 kernel's arguments (the float kernel passes its cache again as
+    ``kv_scales``, never read). ``quantized`` is a closure constant, so
+    Numba compiles only its own branches."""
+
+    @cuda.jit(device=True)
+    def decode_partition(q, kv_cache, kv_scales, block_tables, tokens, token_seq, token_ctx,
+                         scale, window, partition_size, tmp_out, max_logits, exp_sums):
+        logits = cuda.shared.array(MAX_PARTITION_SIZE, float32)
+        red_max = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+        red_sum = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+        i, h, p = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        tid, nthreads = cuda.threadIdx.x, cuda.blockDim.x
+        ctx = token_ctx[i]
+        start = _window_start(ctx, window) + p * partition_size
+        if start >= ctx:
+            return
+        n_keys = _min(partition_size, ctx - start)
+        t, s = tokens[i], token_seq[i]
+        hd = q.shape[2]
+        sc = hd // 4  # the scale's index in the float32 view
+        kvh = h // (q.shape[1] // kv_cache.shape[3])  # GQA: query head -> KV head
+        block_size = kv_cache.shape[2]
+
+        local_max = _NEG_INF
+        for j in range(tid, n_keys, nthreads):
+            pos = start + j
+            blk = block_tables[s, pos // block_size]
+            off = pos % block_size
+            dot = _ZERO
+            for d in range(hd):
+                dot += float32(q[t, h, d]) * float32(kv_cache[blk, 0, off, kvh, d])
+            if quantized:
+                logit = dot * kv_scales[blk, 0, off, kvh, sc] * scale
+            else:
+                logit = dot * scale
+            logits[j] = logit
+            local_max = _max(local_max, logit)
+        m = _block_max(red_max, local_max)
+
+        local_sum = _ZERO
+        for j in range(tid, n_keys, nthreads):  # the keys this thread wrote
+            e = math.exp(logits[j] - m)
+            if quantized:  # the weight times s_v: the output loop reads only codes
+                pos = start + j
+                blk = block_tables[s, pos // block_size]
+                logits[j] = e * kv_scales[blk, 1, pos % block_size, kvh, sc]
+            else:
+                logits[j] = e
+            local_sum += e
+        denom = _block_sum(red_sum, local_sum)  # its barrier also publishes logits
+
+        for d in range(tid, hd, nthreads):
+            acc = _ZERO
+            for j in range(n_keys):
+                pos = start + j
+                blk = block_tables[s, pos // block_size]
+                acc += logits[j] * float32(kv_cache[blk, 1, pos % block_size, kvh, d])
+            tmp_out[i, h, p, d] = acc / denom
+        if tid == 0:
+            max_logits[i, h, p] = m
+            exp_sums[i, h, p] = denom
+
+    return decode_partition
+
+
+_decode_partition = _make_decode_partition(quantized=False)
+_decode_partition_int8 = _make_decode_partition(quantized=True)
 
 
 @cuda.jit
@@ -298,51 +465,25 @@ def decode_partition_kernel(q, kv_cache, block_tables, tokens, token_seq, token_
     max and the sum reductions).  A partition past the token's context exits
     before any barrier, uniformly for the whole block.
     """
-    logits = cuda.shared.array(MAX_PARTITION_SIZE, float32)
-    red_max = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-    red_sum = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-    i, h, p = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-    tid, nthreads = cuda.threadIdx.x, cuda.blockDim.x
-    ctx = token_ctx[i]
-    start = _window_start(ctx, window) + p * partition_size
-    if start >= ctx:
-        return
-    n_keys = _min(partition_size, ctx - start)
-    t, s = tokens[i], token_seq[i]
-    hd = q.shape[2]
-    kvh = h // (q.shape[1] // kv_cache.shape[3])  # GQA: query head -> KV head
-    block_size = kv_cache.shape[2]
+    _decode_partition(q, kv_cache, kv_cache, block_tables, tokens, token_seq, token_ctx, scale,
+                      window, partition_size, tmp_out, max_logits, exp_sums)
 
-    local_max = _NEG_INF
-    for j in range(tid, n_keys, nthreads):
-        pos = start + j
-        blk = block_tables[s, pos // block_size]
-        off = pos % block_size
-        dot = _ZERO
-        for d in range(hd):
-            dot += float32(q[t, h, d]) * float32(kv_cache[blk, 0, off, kvh, d])
-        logit = dot * scale
-        logits[j] = logit
-        local_max = _max(local_max, logit)
-    m = _block_max(red_max, local_max)
 
-    local_sum = _ZERO
-    for j in range(tid, n_keys, nthreads):  # the keys this thread wrote
-        e = math.exp(logits[j] - m)
-        logits[j] = e
-        local_sum += e
-    denom = _block_sum(red_sum, local_sum)  # its barrier also publishes logits
+@cuda.jit
+def decode_partition_int8_kernel(q, kv_cache, kv_scales, block_tables, tokens, token_seq,
+                                 token_ctx, scale, window, partition_size, tmp_out, max_logits,
+                                 exp_sums):
+    """:func:`decode_partition_kernel` over the int8 cache.
 
-    for d in range(tid, hd, nthreads):
-        acc = _ZERO
-        for j in range(n_keys):
-            pos = start + j
-            blk = block_tables[s, pos // block_size]
-            acc += logits[j] * float32(kv_cache[blk, 1, pos % block_size, kvh, d])
-        tmp_out[i, h, p, d] = acc / denom
-    if tid == 0:
-        max_logits[i, h, p] = m
-        exp_sums[i, h, p] = denom
+    kv_cache: int8[num_blocks, 2, block_size, nkv, hd + 4], kv_scales its
+    float32 view (see :func:`write_kv_int8_kernel`); the other arguments,
+    outputs and mapping as the float kernel's. A key's logit is
+    ``(s_k * sum_d q_d c_d) * scale``; its softmax weight, once the
+    partition's sum is taken, is stored times ``s_v`` in the shared logits,
+    so the output loop reads only codes: ``acc_d += (p_j s_v) c_{j,d}``.
+    """
+    _decode_partition_int8(q, kv_cache, kv_scales, block_tables, tokens, token_seq, token_ctx,
+                           scale, window, partition_size, tmp_out, max_logits, exp_sums)
 
 
 @cuda.jit
@@ -383,6 +524,101 @@ def decode_reduce_kernel(tmp_out, max_logits, exp_sums, tokens, token_ctx, windo
 # --------------------------------------------------------------------------- #
 
 
+def _make_prefill_attention(quantized):
+    """The body of :func:`prefill_attention_kernel` (``quantized`` False)
+    or of :func:`prefill_attention_int8_kernel` (True), as
+    :func:`_make_decode_partition`'s."""
+
+    @cuda.jit(device=True)
+    def prefill_attention(q, kv_cache, kv_scales, block_tables, tile_seq, tile_t0, tile_nq,
+                          tile_pos0, scale, window, out):
+        k_tile = cuda.shared.array((PREFILL_KV_TILE, MAX_HEAD_DIM), float32)
+        v_tile = cuda.shared.array((PREFILL_KV_TILE, MAX_HEAD_DIM), float32)
+        if quantized:  # each key's two scales, beside its codes
+            k_sc = cuda.shared.array(PREFILL_KV_TILE, float32)
+            v_sc = cuda.shared.array(PREFILL_KV_TILE, float32)
+        q_row = cuda.local.array(MAX_HEAD_DIM, float32)
+        acc = cuda.local.array(MAX_HEAD_DIM, float32)
+        scores = cuda.local.array(PREFILL_KV_TILE, float32)
+        i, h = cuda.blockIdx.x, cuda.blockIdx.y
+        r, nthreads = cuda.threadIdx.x, cuda.blockDim.x
+        s, nq, pos0 = tile_seq[i], tile_nq[i], tile_pos0[i]
+        t = tile_t0[i] + r
+        active = r < nq
+        pos = pos0 + r
+        hd = q.shape[2]
+        sc = hd // 4
+        kvh = h // (q.shape[1] // kv_cache.shape[3])  # GQA: query head -> KV head
+        block_size = kv_cache.shape[2]
+
+        m = _NEG_INF
+        denom = _ZERO
+        if active:
+            for d in range(hd):
+                q_row[d] = float32(q[t, h, d]) * scale
+                acc[d] = _ZERO
+
+        n_ctx = pos0 + nq  # the last row's context
+        for k0 in range(_window_start(pos0 + 1, window), n_ctx, PREFILL_KV_TILE):
+            nk = _min(PREFILL_KV_TILE, n_ctx - k0)
+            for e in range(r, nk * hd, nthreads):
+                j = e // hd
+                d = e - j * hd
+                kpos = k0 + j
+                blk = block_tables[s, kpos // block_size]
+                off = kpos % block_size
+                k_tile[j, d] = float32(kv_cache[blk, 0, off, kvh, d])
+                v_tile[j, d] = float32(kv_cache[blk, 1, off, kvh, d])
+            if quantized:
+                for j in range(r, nk, nthreads):
+                    kpos = k0 + j
+                    blk = block_tables[s, kpos // block_size]
+                    off = kpos % block_size
+                    k_sc[j] = kv_scales[blk, 0, off, kvh, sc]
+                    v_sc[j] = kv_scales[blk, 1, off, kvh, sc]
+            cuda.syncthreads()
+            visible = _min(nk, pos + 1 - k0)  # causal mask
+            first = _max(0, _window_start(pos + 1, window) - k0)  # the row's window
+            if active and visible > first:
+                tile_max = _NEG_INF
+                for j in range(first, visible):
+                    dot = _ZERO
+                    for d in range(hd):
+                        dot += q_row[d] * k_tile[j, d]
+                    if quantized:
+                        dot = dot * k_sc[j]
+                    scores[j] = dot
+                    tile_max = _max(tile_max, dot)
+                m_new = _max(m, tile_max)
+                alpha = math.exp(m - m_new)  # exp(-inf) = 0 on the first tile
+                psum = _ZERO
+                for j in range(first, visible):
+                    e_j = math.exp(scores[j] - m_new)
+                    if quantized:
+                        scores[j] = e_j * v_sc[j]
+                    else:
+                        scores[j] = e_j
+                    psum += e_j
+                denom = denom * alpha + psum
+                m = m_new
+                for d in range(hd):
+                    a = acc[d] * alpha
+                    for j in range(first, visible):
+                        a += scores[j] * v_tile[j, d]
+                    acc[d] = a
+            cuda.syncthreads()
+
+        if active:
+            for d in range(hd):
+                out[t, h, d] = acc[d] / denom
+
+    return prefill_attention
+
+
+_prefill_attention = _make_prefill_attention(quantized=False)
+_prefill_attention_int8 = _make_prefill_attention(quantized=True)
+
+
 @cuda.jit
 def prefill_attention_kernel(q, kv_cache, block_tables, tile_seq, tile_t0, tile_nq, tile_pos0,
                              scale, window, out):
@@ -407,69 +643,23 @@ def prefill_attention_kernel(q, kv_cache, block_tables, tile_seq, tile_t0, tile_
     row consumes the keys it may see, barrier.  Rows past tile_nq[i] only help
     load, so every thread reaches every barrier.
     """
-    k_tile = cuda.shared.array((PREFILL_KV_TILE, MAX_HEAD_DIM), float32)
-    v_tile = cuda.shared.array((PREFILL_KV_TILE, MAX_HEAD_DIM), float32)
-    q_row = cuda.local.array(MAX_HEAD_DIM, float32)
-    acc = cuda.local.array(MAX_HEAD_DIM, float32)
-    scores = cuda.local.array(PREFILL_KV_TILE, float32)
-    i, h = cuda.blockIdx.x, cuda.blockIdx.y
-    r, nthreads = cuda.threadIdx.x, cuda.blockDim.x
-    s, nq, pos0 = tile_seq[i], tile_nq[i], tile_pos0[i]
-    t = tile_t0[i] + r
-    active = r < nq
-    pos = pos0 + r
-    hd = q.shape[2]
-    kvh = h // (q.shape[1] // kv_cache.shape[3])  # GQA: query head -> KV head
-    block_size = kv_cache.shape[2]
+    _prefill_attention(q, kv_cache, kv_cache, block_tables, tile_seq, tile_t0, tile_nq, tile_pos0,
+                       scale, window, out)
 
-    m = _NEG_INF
-    denom = _ZERO
-    if active:
-        for d in range(hd):
-            q_row[d] = float32(q[t, h, d]) * scale
-            acc[d] = _ZERO
 
-    n_ctx = pos0 + nq  # the last row's context
-    for k0 in range(_window_start(pos0 + 1, window), n_ctx, PREFILL_KV_TILE):
-        nk = _min(PREFILL_KV_TILE, n_ctx - k0)
-        for e in range(r, nk * hd, nthreads):
-            j = e // hd
-            d = e - j * hd
-            kpos = k0 + j
-            blk = block_tables[s, kpos // block_size]
-            off = kpos % block_size
-            k_tile[j, d] = float32(kv_cache[blk, 0, off, kvh, d])
-            v_tile[j, d] = float32(kv_cache[blk, 1, off, kvh, d])
-        cuda.syncthreads()
-        visible = _min(nk, pos + 1 - k0)  # causal mask
-        first = _max(0, _window_start(pos + 1, window) - k0)  # the row's window
-        if active and visible > first:
-            tile_max = _NEG_INF
-            for j in range(first, visible):
-                dot = _ZERO
-                for d in range(hd):
-                    dot += q_row[d] * k_tile[j, d]
-                scores[j] = dot
-                tile_max = _max(tile_max, dot)
-            m_new = _max(m, tile_max)
-            alpha = math.exp(m - m_new)  # exp(-inf) = 0 on the first tile
-            psum = _ZERO
-            for j in range(first, visible):
-                e_j = math.exp(scores[j] - m_new)
-                scores[j] = e_j
-                psum += e_j
-            denom = denom * alpha + psum
-            m = m_new
-            for d in range(hd):
-                a = acc[d] * alpha
-                for j in range(first, visible):
-                    a += scores[j] * v_tile[j, d]
-                acc[d] = a
-        cuda.syncthreads()
+@cuda.jit
+def prefill_attention_int8_kernel(q, kv_cache, kv_scales, block_tables, tile_seq, tile_t0,
+                                  tile_nq, tile_pos0, scale, window, out):
+    """:func:`prefill_attention_kernel` over the int8 cache.
 
-    if active:
-        for d in range(hd):
-            out[t, h, d] = acc[d] / denom
+    kv_cache, kv_scales as :func:`write_kv_int8_kernel`'s; the other
+    arguments, the output and the mapping as the float kernel's. A K/V tile
+    holds the codes (as float32) in shared memory and each key's two scales
+    beside them; a row's score is ``s_k * sum_d (scale q_d) c_d``, and its
+    softmax weight times ``s_v`` multiplies the V codes.
+    """
+    _prefill_attention_int8(q, kv_cache, kv_scales, block_tables, tile_seq, tile_t0, tile_nq,
+                            tile_pos0, scale, window, out)
 
 
 # --------------------------------------------------------------------------- #
@@ -547,6 +737,143 @@ MAX_GROUP = 8
 _GROUP_Q_ELEMS = MAX_GROUP * MAX_HEAD_DIM
 _GROUP_LOGITS = MAX_GROUP * MAX_PARTITION_SIZE
 
+
+def _make_decode_fused(quantized):
+    """The body of :func:`decode_fused_kernel` (``quantized`` False) or of
+    :func:`decode_fused_int8_kernel` (True), as :func:`_make_decode_partition`'s."""
+
+    @cuda.jit(device=True)
+    def decode_fused(qkv, positions, cos_sin_cache, kv_cache, kv_scales, block_tables,
+                     slot_mapping, tokens, token_seq, token_ctx, num_heads, scale, window,
+                     partition_size, out, tmp_out, max_logits, exp_sums):
+        q_s = cuda.shared.array(_GROUP_Q_ELEMS, float32)
+        k_s = cuda.shared.array(MAX_HEAD_DIM, float32)
+        logits = cuda.shared.array(_GROUP_LOGITS, float32)
+        red_max = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+        red_sum = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+        m_loc = cuda.local.array(MAX_GROUP, float32)
+        den_loc = cuda.local.array(MAX_GROUP, float32)
+        acc = cuda.local.array(MAX_GROUP, float32)
+
+        i, g, p = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        tid, nthreads = cuda.threadIdx.x, cuda.blockDim.x
+        ctx = token_ctx[i]
+        lo = _window_start(ctx, window)
+        start = lo + p * partition_size
+        if start >= ctx:
+            return
+        t, s = tokens[i], token_seq[i]
+        nkv, hd = kv_cache.shape[3], kv_cache.shape[4]
+        if quantized:
+            hd -= 4  # codes, then the scale's 4 bytes
+        sc = hd // 4
+        block_size = kv_cache.shape[2]
+        group = num_heads // nkv
+        half = hd // 2
+        pos = positions[t]
+
+        # 1. RoPE of the group's query heads (h < group) and of the key (h == group)
+        for e in range(tid, (group + 1) * half, nthreads):
+            h = e // half
+            j = e - h * half
+            base = (g * group + h) * hd if h < group else (num_heads + g) * hd
+            c = float32(cos_sin_cache[pos, j])
+            sn = float32(cos_sin_cache[pos, half + j])
+            x1 = float32(qkv[t, base + j])
+            x2 = float32(qkv[t, base + half + j])
+            if h < group:
+                q_s[h * hd + j] = x1 * c - x2 * sn
+                q_s[h * hd + half + j] = x2 * c + x1 * sn
+            else:
+                k_s[j] = x1 * c - x2 * sn
+                k_s[half + j] = x2 * c + x1 * sn
+        cuda.syncthreads()
+
+        # 2. the block whose partition holds the new position writes (int8:
+        # quantizes) its K/V
+        if p == (ctx - 1 - lo) // partition_size:
+            slot = slot_mapping[t]
+            if slot >= 0:  # the token's: uniform for the block
+                b = slot // block_size
+                o = slot - b * block_size
+                v_base = (num_heads + nkv + g) * hd
+                if quantized:
+                    _write_kv_int8(k_s, qkv[t, v_base:v_base + hd], kv_cache, kv_scales, b, o,
+                                   g, hd, red_max, red_sum)
+                else:
+                    for d in range(tid, hd, nthreads):
+                        kv_cache[b, 0, o, g, d] = k_s[d]
+                        kv_cache[b, 1, o, g, d] = qkv[t, v_base + d]
+            cuda.syncthreads()
+
+        # 3. logits of every query head of the group over the partition's keys
+        n_keys = _min(partition_size, ctx - start)
+        for h in range(group):
+            m_loc[h] = _NEG_INF
+        for j in range(tid, n_keys, nthreads):
+            key = start + j
+            blk = block_tables[s, key // block_size]
+            off = key % block_size
+            for h in range(group):
+                acc[h] = _ZERO
+            for d in range(hd):
+                kd = float32(kv_cache[blk, 0, off, g, d])
+                for h in range(group):
+                    acc[h] += q_s[h * hd + d] * kd
+            if quantized:
+                s_k = kv_scales[blk, 0, off, g, sc]
+            for h in range(group):
+                if quantized:
+                    logit = acc[h] * s_k * scale
+                else:
+                    logit = acc[h] * scale
+                logits[h * MAX_PARTITION_SIZE + j] = logit
+                m_loc[h] = _max(m_loc[h], logit)
+        for h in range(group):
+            m = _block_max(red_max, m_loc[h])
+            local_sum = _ZERO
+            for j in range(tid, n_keys, nthreads):  # the keys this thread wrote
+                e = math.exp(logits[h * MAX_PARTITION_SIZE + j] - m)
+                if quantized:  # the weight times s_v, against the V codes
+                    key = start + j
+                    s_v = kv_scales[block_tables[s, key // block_size], 1, key % block_size, g, sc]
+                    logits[h * MAX_PARTITION_SIZE + j] = e * s_v
+                else:
+                    logits[h * MAX_PARTITION_SIZE + j] = e
+                local_sum += e
+            den_loc[h] = _block_sum(red_sum, local_sum)  # its barrier publishes the logits
+            m_loc[h] = m
+
+        # 4. output: each V element read once for the whole group; with one
+        # partition launched, normalized in place (a captured graph launches
+        # every partition of the longest context, and reduces them all)
+        single = cuda.gridDim.z == 1
+        for d in range(tid, hd, nthreads):
+            for h in range(group):
+                acc[h] = _ZERO
+            for j in range(n_keys):
+                key = start + j
+                blk = block_tables[s, key // block_size]
+                vd = float32(kv_cache[blk, 1, key % block_size, g, d])
+                for h in range(group):
+                    acc[h] += logits[h * MAX_PARTITION_SIZE + j] * vd
+            for h in range(group):
+                if single:
+                    out[t, g * group + h, d] = acc[h] / den_loc[h]
+                else:
+                    tmp_out[i, g * group + h, p, d] = acc[h] / den_loc[h]
+        if tid == 0 and not single:
+            for h in range(group):
+                max_logits[i, g * group + h, p] = m_loc[h]
+                exp_sums[i, g * group + h, p] = den_loc[h]
+
+    return decode_fused
+
+
+_decode_fused = _make_decode_fused(quantized=False)
+_decode_fused_int8 = _make_decode_fused(quantized=True)
+
+
 @cuda.jit
 def decode_fused_kernel(qkv, positions, cos_sin_cache, kv_cache, block_tables, slot_mapping,
                         tokens, token_seq, token_ctx, num_heads, scale, window, partition_size,
@@ -581,330 +908,9 @@ def decode_fused_kernel(qkv, positions, cos_sin_cache, kv_cache, block_tables, s
     per query head for the max and the sum. A partition past the context
     exits before any barrier, uniformly for its block.
     """
-    q_s = cuda.shared.array(_GROUP_Q_ELEMS, float32)
-    k_s = cuda.shared.array(MAX_HEAD_DIM, float32)
-    logits = cuda.shared.array(_GROUP_LOGITS, float32)
-    red_max = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-    red_sum = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-    m_loc = cuda.local.array(MAX_GROUP, float32)
-    den_loc = cuda.local.array(MAX_GROUP, float32)
-    acc = cuda.local.array(MAX_GROUP, float32)
-
-    i, g, p = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-    tid, nthreads = cuda.threadIdx.x, cuda.blockDim.x
-    ctx = token_ctx[i]
-    lo = _window_start(ctx, window)
-    start = lo + p * partition_size
-    if start >= ctx:
-        return
-    t, s = tokens[i], token_seq[i]
-    nkv, hd = kv_cache.shape[3], kv_cache.shape[4]
-    block_size = kv_cache.shape[2]
-    group = num_heads // nkv
-    half = hd // 2
-    pos = positions[t]
-
-    # 1. RoPE of the group's query heads (h < group) and of the key (h == group)
-    for e in range(tid, (group + 1) * half, nthreads):
-        h = e // half
-        j = e - h * half
-        base = (g * group + h) * hd if h < group else (num_heads + g) * hd
-        c = float32(cos_sin_cache[pos, j])
-        sn = float32(cos_sin_cache[pos, half + j])
-        x1 = float32(qkv[t, base + j])
-        x2 = float32(qkv[t, base + half + j])
-        if h < group:
-            q_s[h * hd + j] = x1 * c - x2 * sn
-            q_s[h * hd + half + j] = x2 * c + x1 * sn
-        else:
-            k_s[j] = x1 * c - x2 * sn
-            k_s[half + j] = x2 * c + x1 * sn
-    cuda.syncthreads()
-
-    # 2. the block whose partition holds the new position writes its K/V
-    if p == (ctx - 1 - lo) // partition_size:
-        slot = slot_mapping[t]
-        if slot >= 0:
-            b = slot // block_size
-            o = slot - b * block_size
-            v_base = (num_heads + nkv + g) * hd
-            for d in range(tid, hd, nthreads):
-                kv_cache[b, 0, o, g, d] = k_s[d]
-                kv_cache[b, 1, o, g, d] = qkv[t, v_base + d]
-        cuda.syncthreads()
-
-    # 3. logits of every query head of the group over the partition's keys
-    n_keys = _min(partition_size, ctx - start)
-    for h in range(group):
-        m_loc[h] = _NEG_INF
-    for j in range(tid, n_keys, nthreads):
-        key = start + j
-        blk = block_tables[s, key // block_size]
-        off = key % block_size
-        for h in range(group):
-            acc[h] = _ZERO
-        for d in range(hd):
-            kd = float32(kv_cache[blk, 0, off, g, d])
-            for h in range(group):
-                acc[h] += q_s[h * hd + d] * kd
-        for h in range(group):
-            logit = acc[h] * scale
-            logits[h * MAX_PARTITION_SIZE + j] = logit
-            m_loc[h] = _max(m_loc[h], logit)
-    for h in range(group):
-        m = _block_max(red_max, m_loc[h])
-        local_sum = _ZERO
-        for j in range(tid, n_keys, nthreads):  # the keys this thread wrote
-            e = math.exp(logits[h * MAX_PARTITION_SIZE + j] - m)
-            logits[h * MAX_PARTITION_SIZE + j] = e
-            local_sum += e
-        den_loc[h] = _block_sum(red_sum, local_sum)  # its barrier publishes the logits
-        m_loc[h] = m
-
-    # 4. output: each V element read once for the whole group; with one
-    # partition launched, normalized in place (a captured graph launches
-    # every partition of the longest context, and reduces them all)
-    single = cuda.gridDim.z == 1
-    for d in range(tid, hd, nthreads):
-        for h in range(group):
-            acc[h] = _ZERO
-        for j in range(n_keys):
-            key = start + j
-            blk = block_tables[s, key // block_size]
-            vd = float32(kv_cache[blk, 1, key % block_size, g, d])
-            for h in range(group):
-                acc[h] += logits[h * MAX_PARTITION_SIZE + j] * vd
-        for h in range(group):
-            if single:
-                out[t, g * group + h, d] = acc[h] / den_loc[h]
-            else:
-                tmp_out[i, g * group + h, p, d] = acc[h] / den_loc[h]
-    if tid == 0 and not single:
-        for h in range(group):
-            max_logits[i, g * group + h, p] = m_loc[h]
-            exp_sums[i, g * group + h, p] = den_loc[h]
-
-
-# --------------------------------------------------------------------------- #
-# The int8 KV cache (``--kv-cache-dtype int8``, ``kvserve.model.kv_quant``)
-# --------------------------------------------------------------------------- #
-#
-# Here, beside the device helpers they call (see the note above the fused
-# kernel). One int8 array per layer, ``kv_cache[num_blocks, 2, block_size,
-# nkv, hd + 4]``: each vector is hd codes then the 4 bytes of its float32
-# scale s (value = code * s). The kernels take the cache twice: as int8 (the
-# codes) and as its float32 view ``kv_scales[num_blocks, 2, block_size, nkv,
-# (hd + 4) / 4]`` (``kv_cache.view(float32)``), where a vector's scale is
-# element ``hd // 4``. A vector is quantized by the block that writes it
-# (a max reduction over hd, then the codes and the scale), and dequantized
-# inside attention: a key's dot product with the codes is scaled once
-# (``s_k * sum_d q_d c_d``), and a value's scale folds into its softmax
-# weight (``(p_j s_v) * c_d``). The float kernels above are untouched: the
-# ``auto`` cache runs exactly as before.
-
-
-@cuda.jit(device=True)
-def _kv_code(x, inv):
-    """int8 code of float32 ``x`` times ``inv`` (127 / max|x| of its vector):
-    rint, round half to even (llrint on a GPU), clipped to [-127, 127]."""
-    c = round(x * inv)
-    return _min(_max(c, -INT8_MAX), INT8_MAX)
-
-
-@cuda.jit(device=True)
-def _kv_inverse(absmax):
-    """127 / ``absmax`` in float32, 0 for an all-zero vector (its codes are 0)."""
-    return float32(INT8_MAX) / absmax if absmax > _ZERO else _ZERO
-
-
-@cuda.jit
-def write_kv_int8_kernel(k, v, kv_cache, kv_scales, slot_mapping):
-    """Quantize and scatter new K/V rows into the int8 paged cache.
-
-    k, v: [T, nkv, hd] float16/float32; kv_cache: int8[num_blocks, 2,
-    block_size, nkv, hd + 4]; kv_scales: its float32 view (scale at
-    ``hd // 4``); slot_mapping: int64[T], a negative slot is padding and is
-    skipped (slots checked in range). Per vector x (token t, head h; K and
-    V): s = max|x| / 127, codes = clip(rint(x * (127 / max|x|)), -127, 127),
-    0 and zero codes for x = 0, all in float32 (``kv_quant.quantize``, bit
-    for bit).
-    Mapping: grid (T, nkv), threads stride over hd; two block max
-    reductions (K's and V's, distinct buffers: two barriers).
-    """
-    red_k = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-    red_v = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-    t, h = cuda.blockIdx.x, cuda.blockIdx.y
-    slot = slot_mapping[t]
-    if slot < 0:  # uniform for the block: before any barrier
-        return
-    block_size = kv_cache.shape[2]
-    b = slot // block_size
-    o = slot - b * block_size
-    hd = k.shape[2]
-    k_max = _ZERO
-    v_max = _ZERO
-    for d in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
-        k_max = _max(k_max, abs(float32(k[t, h, d])))
-        v_max = _max(v_max, abs(float32(v[t, h, d])))
-    k_max = _block_max(red_k, k_max)
-    v_max = _block_max(red_v, v_max)
-    k_inv = _kv_inverse(k_max)
-    v_inv = _kv_inverse(v_max)
-    for d in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
-        kv_cache[b, 0, o, h, d] = _kv_code(float32(k[t, h, d]), k_inv)
-        kv_cache[b, 1, o, h, d] = _kv_code(float32(v[t, h, d]), v_inv)
-    if cuda.threadIdx.x == 0:
-        kv_scales[b, 0, o, h, hd // 4] = k_max / float32(INT8_MAX)
-        kv_scales[b, 1, o, h, hd // 4] = v_max / float32(INT8_MAX)
-
-
-@cuda.jit
-def decode_partition_int8_kernel(q, kv_cache, kv_scales, block_tables, tokens, token_seq,
-                                 token_ctx, scale, window, partition_size, tmp_out, max_logits,
-                                 exp_sums):
-    """:func:`decode_partition_kernel` over the int8 cache.
-
-    kv_cache: int8[num_blocks, 2, block_size, nkv, hd + 4], kv_scales its
-    float32 view (see :func:`write_kv_int8_kernel`); the other arguments,
-    outputs and mapping as the float kernel's. A key's logit is
-    ``(s_k * sum_d q_d c_d) * scale``; its softmax weight, once the
-    partition's sum is taken, is stored times ``s_v`` in the shared logits,
-    so the output loop reads only codes: ``acc_d += (p_j s_v) c_{j,d}``.
-    """
-    logits = cuda.shared.array(MAX_PARTITION_SIZE, float32)
-    red_max = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-    red_sum = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-    i, h, p = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-    tid, nthreads = cuda.threadIdx.x, cuda.blockDim.x
-    ctx = token_ctx[i]
-    start = _window_start(ctx, window) + p * partition_size
-    if start >= ctx:
-        return
-    n_keys = _min(partition_size, ctx - start)
-    t, s = tokens[i], token_seq[i]
-    hd = q.shape[2]
-    sc = hd // 4  # the scale's index in the float32 view
-    kvh = h // (q.shape[1] // kv_cache.shape[3])  # GQA: query head -> KV head
-    block_size = kv_cache.shape[2]
-
-    local_max = _NEG_INF
-    for j in range(tid, n_keys, nthreads):
-        pos = start + j
-        blk = block_tables[s, pos // block_size]
-        off = pos % block_size
-        dot = _ZERO
-        for d in range(hd):
-            dot += float32(q[t, h, d]) * float32(kv_cache[blk, 0, off, kvh, d])
-        logit = dot * kv_scales[blk, 0, off, kvh, sc] * scale
-        logits[j] = logit
-        local_max = _max(local_max, logit)
-    m = _block_max(red_max, local_max)
-
-    local_sum = _ZERO
-    for j in range(tid, n_keys, nthreads):  # the keys this thread wrote
-        pos = start + j
-        blk = block_tables[s, pos // block_size]
-        e = math.exp(logits[j] - m)
-        logits[j] = e * kv_scales[blk, 1, pos % block_size, kvh, sc]
-        local_sum += e
-    denom = _block_sum(red_sum, local_sum)  # its barrier also publishes logits
-
-    for d in range(tid, hd, nthreads):
-        acc = _ZERO
-        for j in range(n_keys):
-            pos = start + j
-            blk = block_tables[s, pos // block_size]
-            acc += logits[j] * float32(kv_cache[blk, 1, pos % block_size, kvh, d])
-        tmp_out[i, h, p, d] = acc / denom
-    if tid == 0:
-        max_logits[i, h, p] = m
-        exp_sums[i, h, p] = denom
-
-
-@cuda.jit
-def prefill_attention_int8_kernel(q, kv_cache, kv_scales, block_tables, tile_seq, tile_t0,
-                                  tile_nq, tile_pos0, scale, window, out):
-    """:func:`prefill_attention_kernel` over the int8 cache.
-
-    kv_cache, kv_scales as :func:`write_kv_int8_kernel`'s; the other
-    arguments, the output and the mapping as the float kernel's. A K/V tile
-    holds the codes (as float32) in shared memory and each key's two scales
-    beside them; a row's score is ``s_k * sum_d (scale q_d) c_d``, and its
-    softmax weight times ``s_v`` multiplies the V codes.
-    """
-    k_tile = cuda.shared.array((PREFILL_KV_TILE, MAX_HEAD_DIM), float32)
-    v_tile = cuda.shared.array((PREFILL_KV_TILE, MAX_HEAD_DIM), float32)
-    k_sc = cuda.shared.array(PREFILL_KV_TILE, float32)
-    v_sc = cuda.shared.array(PREFILL_KV_TILE, float32)
-    q_row = cuda.local.array(MAX_HEAD_DIM, float32)
-    acc = cuda.local.array(MAX_HEAD_DIM, float32)
-    scores = cuda.local.array(PREFILL_KV_TILE, float32)
-    i, h = cuda.blockIdx.x, cuda.blockIdx.y
-    r, nthreads = cuda.threadIdx.x, cuda.blockDim.x
-    s, nq, pos0 = tile_seq[i], tile_nq[i], tile_pos0[i]
-    t = tile_t0[i] + r
-    active = r < nq
-    pos = pos0 + r
-    hd = q.shape[2]
-    sc = hd // 4
-    kvh = h // (q.shape[1] // kv_cache.shape[3])  # GQA: query head -> KV head
-    block_size = kv_cache.shape[2]
-
-    m = _NEG_INF
-    denom = _ZERO
-    if active:
-        for d in range(hd):
-            q_row[d] = float32(q[t, h, d]) * scale
-            acc[d] = _ZERO
-
-    n_ctx = pos0 + nq  # the last row's context
-    for k0 in range(_window_start(pos0 + 1, window), n_ctx, PREFILL_KV_TILE):
-        nk = _min(PREFILL_KV_TILE, n_ctx - k0)
-        for e in range(r, nk * hd, nthreads):
-            j = e // hd
-            d = e - j * hd
-            kpos = k0 + j
-            blk = block_tables[s, kpos // block_size]
-            off = kpos % block_size
-            k_tile[j, d] = float32(kv_cache[blk, 0, off, kvh, d])
-            v_tile[j, d] = float32(kv_cache[blk, 1, off, kvh, d])
-        for j in range(r, nk, nthreads):
-            kpos = k0 + j
-            blk = block_tables[s, kpos // block_size]
-            off = kpos % block_size
-            k_sc[j] = kv_scales[blk, 0, off, kvh, sc]
-            v_sc[j] = kv_scales[blk, 1, off, kvh, sc]
-        cuda.syncthreads()
-        visible = _min(nk, pos + 1 - k0)  # causal mask
-        first = _max(0, _window_start(pos + 1, window) - k0)  # the row's window
-        if active and visible > first:
-            tile_max = _NEG_INF
-            for j in range(first, visible):
-                dot = _ZERO
-                for d in range(hd):
-                    dot += q_row[d] * k_tile[j, d]
-                dot = dot * k_sc[j]
-                scores[j] = dot
-                tile_max = _max(tile_max, dot)
-            m_new = _max(m, tile_max)
-            alpha = math.exp(m - m_new)  # exp(-inf) = 0 on the first tile
-            psum = _ZERO
-            for j in range(first, visible):
-                e_j = math.exp(scores[j] - m_new)
-                scores[j] = e_j * v_sc[j]
-                psum += e_j
-            denom = denom * alpha + psum
-            m = m_new
-            for d in range(hd):
-                a = acc[d] * alpha
-                for j in range(first, visible):
-                    a += scores[j] * v_tile[j, d]
-                acc[d] = a
-        cuda.syncthreads()
-
-    if active:
-        for d in range(hd):
-            out[t, h, d] = acc[d] / denom
+    _decode_fused(qkv, positions, cos_sin_cache, kv_cache, kv_cache, block_tables, slot_mapping,
+                  tokens, token_seq, token_ctx, num_heads, scale, window, partition_size, out,
+                  tmp_out, max_logits, exp_sums)
 
 
 @cuda.jit
@@ -921,120 +927,6 @@ def decode_fused_int8_kernel(qkv, positions, cos_sin_cache, kv_cache, kv_scales,
     quantized, as every other key. Logits ``(s_k sum_d q_d c_d) scale``;
     softmax weights times ``s_v`` against the V codes.
     """
-    q_s = cuda.shared.array(_GROUP_Q_ELEMS, float32)
-    k_s = cuda.shared.array(MAX_HEAD_DIM, float32)
-    logits = cuda.shared.array(_GROUP_LOGITS, float32)
-    red_max = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-    red_sum = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-    m_loc = cuda.local.array(MAX_GROUP, float32)
-    den_loc = cuda.local.array(MAX_GROUP, float32)
-    acc = cuda.local.array(MAX_GROUP, float32)
-
-    i, g, p = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-    tid, nthreads = cuda.threadIdx.x, cuda.blockDim.x
-    ctx = token_ctx[i]
-    lo = _window_start(ctx, window)
-    start = lo + p * partition_size
-    if start >= ctx:
-        return
-    t, s = tokens[i], token_seq[i]
-    nkv = kv_cache.shape[3]
-    hd = kv_cache.shape[4] - 4  # codes, then the scale's 4 bytes
-    sc = hd // 4
-    block_size = kv_cache.shape[2]
-    group = num_heads // nkv
-    half = hd // 2
-    pos = positions[t]
-
-    # 1. RoPE of the group's query heads (h < group) and of the key (h == group)
-    for e in range(tid, (group + 1) * half, nthreads):
-        h = e // half
-        j = e - h * half
-        base = (g * group + h) * hd if h < group else (num_heads + g) * hd
-        c = float32(cos_sin_cache[pos, j])
-        sn = float32(cos_sin_cache[pos, half + j])
-        x1 = float32(qkv[t, base + j])
-        x2 = float32(qkv[t, base + half + j])
-        if h < group:
-            q_s[h * hd + j] = x1 * c - x2 * sn
-            q_s[h * hd + half + j] = x2 * c + x1 * sn
-        else:
-            k_s[j] = x1 * c - x2 * sn
-            k_s[half + j] = x2 * c + x1 * sn
-    cuda.syncthreads()
-
-    # 2. the block whose partition holds the new position quantizes and writes its K/V
-    if p == (ctx - 1 - lo) // partition_size:
-        slot = slot_mapping[t]
-        if slot >= 0:  # the token's: uniform for the block
-            b = slot // block_size
-            o = slot - b * block_size
-            v_base = (num_heads + nkv + g) * hd
-            k_max = _ZERO
-            v_max = _ZERO
-            for d in range(tid, hd, nthreads):
-                k_max = _max(k_max, abs(k_s[d]))
-                v_max = _max(v_max, abs(float32(qkv[t, v_base + d])))
-            k_max = _block_max(red_max, k_max)
-            v_max = _block_max(red_sum, v_max)
-            k_inv = _kv_inverse(k_max)
-            v_inv = _kv_inverse(v_max)
-            for d in range(tid, hd, nthreads):
-                kv_cache[b, 0, o, g, d] = _kv_code(k_s[d], k_inv)
-                kv_cache[b, 1, o, g, d] = _kv_code(float32(qkv[t, v_base + d]), v_inv)
-            if tid == 0:
-                kv_scales[b, 0, o, g, sc] = k_max / float32(INT8_MAX)
-                kv_scales[b, 1, o, g, sc] = v_max / float32(INT8_MAX)
-        cuda.syncthreads()
-
-    # 3. logits of every query head of the group over the partition's keys
-    n_keys = _min(partition_size, ctx - start)
-    for h in range(group):
-        m_loc[h] = _NEG_INF
-    for j in range(tid, n_keys, nthreads):
-        key = start + j
-        blk = block_tables[s, key // block_size]
-        off = key % block_size
-        for h in range(group):
-            acc[h] = _ZERO
-        for d in range(hd):
-            kd = float32(kv_cache[blk, 0, off, g, d])
-            for h in range(group):
-                acc[h] += q_s[h * hd + d] * kd
-        s_k = kv_scales[blk, 0, off, g, sc]
-        for h in range(group):
-            logit = acc[h] * s_k * scale
-            logits[h * MAX_PARTITION_SIZE + j] = logit
-            m_loc[h] = _max(m_loc[h], logit)
-    for h in range(group):
-        m = _block_max(red_max, m_loc[h])
-        local_sum = _ZERO
-        for j in range(tid, n_keys, nthreads):  # the keys this thread wrote
-            key = start + j
-            s_v = kv_scales[block_tables[s, key // block_size], 1, key % block_size, g, sc]
-            e = math.exp(logits[h * MAX_PARTITION_SIZE + j] - m)
-            logits[h * MAX_PARTITION_SIZE + j] = e * s_v
-            local_sum += e
-        den_loc[h] = _block_sum(red_sum, local_sum)  # its barrier publishes the logits
-        m_loc[h] = m
-
-    # 4. output: each V code read once for the whole group (see the float kernel)
-    single = cuda.gridDim.z == 1
-    for d in range(tid, hd, nthreads):
-        for h in range(group):
-            acc[h] = _ZERO
-        for j in range(n_keys):
-            key = start + j
-            blk = block_tables[s, key // block_size]
-            vd = float32(kv_cache[blk, 1, key % block_size, g, d])
-            for h in range(group):
-                acc[h] += logits[h * MAX_PARTITION_SIZE + j] * vd
-        for h in range(group):
-            if single:
-                out[t, g * group + h, d] = acc[h] / den_loc[h]
-            else:
-                tmp_out[i, g * group + h, p, d] = acc[h] / den_loc[h]
-    if tid == 0 and not single:
-        for h in range(group):
-            max_logits[i, g * group + h, p] = m_loc[h]
-            exp_sums[i, g * group + h, p] = den_loc[h]
+    _decode_fused_int8(qkv, positions, cos_sin_cache, kv_cache, kv_scales, block_tables,
+                       slot_mapping, tokens, token_seq, token_ctx, num_heads, scale, window,
+                       partition_size, out, tmp_out, max_logits, exp_sums)
