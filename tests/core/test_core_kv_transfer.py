@@ -236,3 +236,41 @@ def test_a_load_whose_block_was_evicted_first_is_dropped_with_its_save():
     out = sched.schedule()
     assert not out.kv_loads and not out.kv_saves
     assert len(loads) == 3
+
+
+class FakeTieredTier(FakeTier):
+    """A memory tier holding ``memory`` with a disk tier holding ``disk`` under
+    it (``TieredExternalKV``): the leading run of blocks found in either,
+    split by where the memory tier's run ends."""
+
+    def __init__(self, memory=(), disk=()):
+        super().__init__(set(memory) | set(disk))
+        self.memory = set(memory)
+
+    def lookup_tiers(self, block_hashes):
+        total = self.lookup(block_hashes)
+        in_memory = 0
+        for block_hash in block_hashes[:total]:
+            if block_hash not in self.memory:
+                break
+            in_memory += 1
+        return in_memory, total - in_memory
+
+
+def test_disk_tier_hits_are_counted_apart_from_memory_hits():
+    """A 25-token prompt (6 full blocks; the last token is always computed):
+    blocks 0-1 in the memory tier, 2-4 on disk, 5 nowhere. The block manager
+    loads five blocks and counts 8 memory-tier tokens and 12 disk tokens, the
+    disk queried for the 16 tokens the memory tier missed."""
+    prompt = list(range(100, 125))
+    h = hashes(prompt, 6)
+    sched = make(tier=FakeTieredTier(memory=h[:2], disk=h[2:5]))
+    r = req("r", prompt)
+    sched.add_request(r)
+    outputs = run(sched)
+    assert [(t.block_hash, t.request_id) for t in outputs[0].kv_loads] == [
+        (block_hash, "r") for block_hash in h[:5]]
+    stats = sched.kv_cache_manager.stats
+    assert (stats.external_queries, stats.external_hits) == (24, 8)
+    assert (stats.external_disk_queries, stats.external_disk_hits) == (16, 12)
+    assert r.num_cached_tokens == 20
