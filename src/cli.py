@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import difflib
 import importlib.util
+import os
 import re
 import sys
 import time
@@ -970,6 +971,12 @@ def _check_replica_flags(args: argparse.Namespace) -> None:
                  else f"--data-parallel-size {args.data_parallel_size}")
         _die(f"{flags} runs engine replicas on Ray, which is not installed: "
              f"{DISTRIBUTED_EXTRA}")
+    if args.data_parallel_size > 1 and (args.ray_address or os.environ.get("RAY_ADDRESS")):
+        from kvserve.distributed.ray_start import RayUnreachable, ray_init_address
+        try:  # a named cluster that does not answer: one line, before anything loads
+            ray_init_address(args.ray_address)
+        except RayUnreachable as exc:
+            _die(str(exc))
 
 
 async def _start_replicas(args: argparse.Namespace, config: EngineConfig):

@@ -725,6 +725,17 @@ MUTANTS_KV_DISK_CHECK = (
            DISK_UNIT, "the start-up check indexes a block file whose payload fails its CRC-32"),
 )
 
+MUTANTS_RAY_START = (
+    Mutant("ray_stale_record_joined", "distributed/ray_start.py",
+           (('    return "local"\n', "    return recorded\n"),),
+           ("tests/test_ray_start.py",),
+           "a recorded Ray cluster that is gone is joined anyway: the start retries for minutes"),
+    Mutant("ray_named_address_unprobed", "distributed/ray_start.py",
+           (('if named == "local" or answers(named, timeout):', "if True:"),),
+           ("tests/test_ray_start.py",),
+           "a --ray-address nothing answers at is passed to ray.init instead of one line, exit 2"),
+)
+
 MUTANTS_KV_FORMAT = (
     Mutant("kv_int8_bytes_without_scales", "model/kv_quant.py",
            [("    return head_dim + SCALE_BYTES\n", "    return head_dim\n")],
@@ -797,7 +808,7 @@ MUTANTS_KV_CPU = (
 )
 
 MUTANTS = (MUTANTS + MUTANTS_KV_CPU + MUTANTS_KV_CUDA + MUTANTS_KV_DISK + MUTANTS_KV_DISK_CHECK
-           + MUTANTS_KV_FORMAT)
+           + MUTANTS_KV_FORMAT + MUTANTS_RAY_START)
 
 
 def _apply(mutant: Mutant, root: Path) -> None:

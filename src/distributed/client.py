@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from kvserve.actors.stream import RequestStream
 from kvserve.config import EngineConfig
 from kvserve.core.router import PrefixAwareRouter, ReplicaLoad
 from kvserve.distributed.host_tier import SharedHostTier
+from kvserve.distributed.ray_start import ray_init_address
 from kvserve.distributed.replica import EngineReplica
 from kvserve.model.tokenizer import Tokenizer
 
@@ -58,6 +60,9 @@ RAY_LOG_ENV = {"RAY_DISABLE_WORKER_LOG_PREFIX": "1", "RAY_COLOR_PREFIX": "0",
 
 #: Seconds between two reads of the replicas' loads and KV events.
 POLL_INTERVAL = 0.05
+#: Seconds the replicas together have to load their engines (the default
+#: model's first start: fetch, convert, compile) before the start fails.
+REPLICA_START_SECONDS = 900.0
 #: ``--data-parallel-routing``: ``prefix`` (``kvserve.core.router``) or
 #: ``round_robin`` (the baseline it is measured against).
 ROUTING_POLICIES = ("prefix", "round_robin")
@@ -114,7 +119,14 @@ class DataParallelClient:
         import ray
 
         if not ray.is_initialized():
-            ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
+            address = ray_init_address(ray_address)  # never a stale recorded cluster
+            t0 = time.monotonic()
+            ray.init(address=address, include_dashboard=False, log_to_driver=True)
+            seconds = time.monotonic() - t0
+            joined = address not in (None, "local")
+            log.info("ray_started", address=address or "local", seconds=round(seconds, 2),
+                     message=f"Ray {'joined at ' + address if joined else 'started locally'} "
+                             f"in {seconds:.1f} s")
         threads = config.num_threads or max(1, int(ray.available_resources().get("CPU", 1))
                                             // num_replicas)
         tier_bytes = int(config.cache.kv_offloading_size * 2**30)
@@ -130,12 +142,22 @@ class DataParallelClient:
         actor = ray.remote(num_cpus=threads, max_restarts=-1, max_task_retries=0)(EngineReplica)
         replicas = [actor.remote(i, config, model_name, request_timeout, stats_interval)
                     for i in range(num_replicas)]
-        infos = await asyncio.gather(*(r.start.remote() for r in replicas))
+        t0 = time.monotonic()
+        try:
+            infos = await asyncio.wait_for(asyncio.gather(*(r.start.remote() for r in replicas)),
+                                           REPLICA_START_SECONDS)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"{num_replicas} engine replicas did not start within "
+                               f"{REPLICA_START_SECONDS:g} s (see the replicas' log lines)"
+                               ) from None
+        started_s = round(time.monotonic() - t0, 2)
         for i, info in enumerate(infos):
             role = ("prefill" if i < prefill_replicas else "decode") if prefill_replicas else "both"
             log.info("replica_started", replica=i, num_threads=threads, role=role, **info,
+                     seconds=started_s,
                      message=f"Replica {i}: {info['num_kv_tokens']:,} KV tokens, "
-                             f"{threads} CPU thread(s), role {role}")
+                             f"{threads} CPU thread(s), role {role} (the replicas started in "
+                             f"{started_s:.1f} s)")
         sched = config.scheduler
         short = sched.long_prefill_token_threshold or sched.max_num_batched_tokens // 2
         client = cls(replicas, infos, Tokenizer(Path(config.model), config.chat_template),

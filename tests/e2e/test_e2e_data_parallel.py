@@ -11,6 +11,11 @@ accepted only at a near-tie of the top-2 logits (``first_divergence``).
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
 
 import httpx
 import pytest
@@ -27,11 +32,44 @@ SYSTEM = ("You are a meticulous assistant for a library. Answer questions about 
 
 @pytest.fixture(scope="module")
 def dp_server(default_model_path, tmp_path_factory):
-    server = LiveServer(default_model_path, tmp_path_factory.mktemp("kvserve-dp"),
-                        extra_args=["--max-model-len", str(SERVER_MAX_MODEL_LEN),
-                                    "--data-parallel-size", "2", "--stats-interval", "0"])
+    """Two replicas on a local Ray, started where an earlier ``ray start``
+    left its address behind with nothing listening there (issue 32): Ray's
+    temp dir (``RAY_TMPDIR``, short: Ray's socket paths must stay under 107
+    bytes) records ``127.0.0.1:<a closed port>``."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="kr", dir="/tmp"))
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{_closed_port()}\n")
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = str(ray_tmp)
+    try:
+        server = LiveServer(default_model_path, tmp_path_factory.mktemp("kvserve-dp"),
+                            extra_args=["--max-model-len", str(SERVER_MAX_MODEL_LEN),
+                                        "--data-parallel-size", "2", "--stats-interval", "0"])
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved
     yield server
     server.stop()
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _closed_port() -> int:
+    """A local TCP port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_stale_recorded_ray_cluster_gives_way_to_a_local_ray(dp_server):
+    """The server became healthy (the fixture waited for it) on a local Ray,
+    and said once why it did not join the recorded cluster."""
+    gone = dp_server.log_events("ray_recorded_cluster_gone")
+    assert len(gone) == 1 and gone[0]["address"].startswith("127.0.0.1:")
+    started = dp_server.log_events("ray_started")
+    assert len(started) == 1 and started[0]["address"] == "local"
+    assert started[0]["seconds"] > 0
 
 
 def greedy(case: dict) -> tuple[str, dict]:

@@ -1,0 +1,74 @@
+"""Which Ray the data-parallel server starts or joins (issue 32, item 0): a
+recorded cluster that is gone gives way to a local Ray with one warning; a
+named cluster that does not answer is one line and exit status 2, before
+anything loads. Real sockets on 127.0.0.1; Ray is not imported."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from structlog.testing import capture_logs
+
+from kvserve.cli import main
+from kvserve.distributed.ray_start import RayUnreachable, ray_init_address
+
+
+@pytest.fixture
+def listening():
+    """``127.0.0.1:port`` of a socket that accepts connections."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def closed():
+    """``127.0.0.1:port`` where nothing listens."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"127.0.0.1:{port}"
+
+
+def record(tmp_path, address: str) -> dict:
+    """An environment whose Ray temp dir records ``address``, as ``ray start`` does."""
+    (tmp_path / "ray").mkdir(exist_ok=True)
+    (tmp_path / "ray" / "ray_current_cluster").write_text(address + "\n")
+    return {"RAY_TMPDIR": str(tmp_path)}
+
+
+def test_nothing_named_or_recorded_starts_a_local_ray(tmp_path):
+    assert ray_init_address(None, {"RAY_TMPDIR": str(tmp_path)}) is None
+
+
+def test_a_recorded_cluster_that_is_gone_gives_way_to_a_local_ray(tmp_path, closed):
+    with capture_logs() as logs:
+        assert ray_init_address(None, record(tmp_path, closed), timeout=1.0) == "local"
+    assert [(e["event"], e["address"]) for e in logs] == [("ray_recorded_cluster_gone", closed)]
+
+
+def test_a_recorded_cluster_that_answers_is_joined(tmp_path, listening):
+    assert ray_init_address(None, record(tmp_path, listening), timeout=1.0) == listening
+
+
+def test_a_named_cluster_must_answer(tmp_path, closed, listening):
+    env = {"RAY_TMPDIR": str(tmp_path)}
+    assert ray_init_address(listening, env, timeout=1.0) == listening
+    assert ray_init_address("local", record(tmp_path, closed)) == "local"
+    with pytest.raises(RayUnreachable, match=f"--ray-address {closed}: no Ray cluster answers"):
+        ray_init_address(closed, env, timeout=1.0)
+    with pytest.raises(RayUnreachable, match=f"RAY_ADDRESS {closed}: no Ray cluster answers"):
+        ray_init_address(None, {**env, "RAY_ADDRESS": closed}, timeout=1.0)
+    with pytest.raises(RayUnreachable, match="auto: the Ray cluster recorded"):
+        ray_init_address("auto", record(tmp_path, closed), timeout=1.0)
+
+
+def test_serve_with_an_unreachable_ray_address_is_one_line_and_exit_2(closed, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--data-parallel-size", "2", "--ray-address", closed])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"kvserve: error: --ray-address {closed}: no Ray cluster answers")
+    assert len([line for line in err if line.startswith("kvserve: error")]) == 1
