@@ -736,6 +736,13 @@ MUTANTS_RAY_START = (
            "a --ray-address nothing answers at is passed to ray.init instead of one line, exit 2"),
 )
 
+MUTANTS_LOGGING = (
+    Mutant("log_uvicorn_keeps_its_own_handler", "observability/log.py",
+           (("        uvicorn_logger.propagate = True\n", ""),),
+           ("tests/observability/test_obs_log_format.py",),
+           "after a uvicorn.Config with its default log_config, uvicorn's lines bypass ours"),
+)
+
 MUTANTS_KV_FORMAT = (
     Mutant("kv_int8_bytes_without_scales", "model/kv_quant.py",
            [("    return head_dim + SCALE_BYTES\n", "    return head_dim\n")],
@@ -808,7 +815,7 @@ MUTANTS_KV_CPU = (
 )
 
 MUTANTS = (MUTANTS + MUTANTS_KV_CPU + MUTANTS_KV_CUDA + MUTANTS_KV_DISK + MUTANTS_KV_DISK_CHECK
-           + MUTANTS_KV_FORMAT + MUTANTS_RAY_START)
+           + MUTANTS_KV_FORMAT + MUTANTS_RAY_START + MUTANTS_LOGGING)
 
 
 def _apply(mutant: Mutant, root: Path) -> None:

@@ -67,10 +67,17 @@ def _stderr_isatty() -> bool:
         return False
 
 
+#: uvicorn's loggers: a ``uvicorn.Config`` built with its default
+#: ``log_config`` gives them handlers of their own and ``propagate=False``
+#: (``uvicorn.config.LOGGING_CONFIG``), so their lines would bypass ours.
+UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+
+
 def configure_logging(fmt: str = "json", level: str = "info", stream=None) -> None:
     """Configure structlog, and the stdlib root logger to render uvicorn's and
     other libraries' lines the same way (its one handler of ours is replaced
-    on a repeated call, never stacked); ``warnings`` go to logging too.
+    on a repeated call, never stacked; uvicorn's loggers lose any handler of
+    their own and propagate to it); ``warnings`` go to logging too.
 
     Args:
         fmt: ``json`` (one JSON object per line), ``console`` (for people)
@@ -104,6 +111,11 @@ def configure_logging(fmt: str = "json", level: str = "info", stream=None) -> No
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                     structlog.processors.format_exc_info, renderer]))
     logging.captureWarnings(True)  # warnings.warn -> the "py.warnings" logger
+    for name in UVICORN_LOGGERS:  # undo a uvicorn.Config whose log_config set its own
+        uvicorn_logger = logging.getLogger(name)
+        uvicorn_logger.handlers.clear()
+        uvicorn_logger.propagate = True
+        uvicorn_logger.setLevel(logging.NOTSET)
     # httpx logs every request at INFO; in the tools that is noise between the results.
     logging.getLogger("httpx").setLevel(max(numeric, logging.WARNING))
 

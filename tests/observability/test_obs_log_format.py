@@ -68,3 +68,21 @@ def test_console_format_renders_stdlib_loggers_like_structlog(sink: io.StringIO)
     assert "[info     ] Uvicorn running on http://127.0.0.1:8000" in lines[0]
     assert lines[0].rstrip().endswith("[uvicorn.error]")
     assert "[info     ] server_ready" in lines[1]
+
+
+def test_uvicorn_lines_reach_our_handler_after_uvicorn_configured_its_own(sink: io.StringIO
+                                                                         ) -> None:
+    """A ``uvicorn.Config`` with uvicorn's default ``log_config`` gives
+    ``uvicorn`` (``uvicorn.error``'s parent) a handler of its own and
+    ``propagate=False``; configuring
+    kvserve's logging afterwards brings its lines back to our one handler (the
+    suite saw them vanish when such a test ran first)."""
+    import uvicorn
+
+    uvicorn.Config(lambda scope, receive, send: None)  # applies uvicorn.config.LOGGING_CONFIG
+    assert logging.getLogger("uvicorn").propagate is False
+    configure_logging("json", "info", stream=sink)
+    logging.getLogger("uvicorn.error").info("Started server process [%d]", 7)
+    events = [json.loads(line) for line in sink.getvalue().splitlines()]
+    assert [(e["logger"], e["event"]) for e in events] == [
+        ("uvicorn.error", "Started server process [7]")]
