@@ -10,9 +10,12 @@ and answers each with one JSON line on standard output:
     <- {"grammar": "<llguidance grammar>", "seconds": 0.12}
      | {"error": "<llguidance's reason>", "param": "tools[1].function.parameters" | null}
 
-A compile that uses more than ``cpu_seconds`` of CPU ends the process with
-status ``CPU_EXCEEDED`` (a watchdog thread reads ``time.process_time``;
-llguidance drops the GIL while it works). CPU time, not wall time, so
+A compile that uses more than ``cpu_seconds`` of CPU is answered
+``{"timeout": cpu_seconds}`` and ends the process with status
+``CPU_EXCEEDED`` (a watchdog thread reads ``time.process_time``; llguidance
+drops the GIL while it works). The answer line, not the exit status, is
+what the server reads: a child's exit status can be lost to the parent's
+child watcher (asyncio's ``ThreadedChildWatcher`` then reports 255). CPU time, not wall time, so
 whether a constraint compiles does not depend on how busy the machine is.
 
 It compiles the grammar and builds the full matcher, exactly what the
@@ -89,25 +92,38 @@ def answer(tokenizer: Any, request: dict[str, Any]) -> dict[str, Any]:
 
 
 class CpuWatchdog:
-    """Ends the process when the compile under way has used more than its
-    CPU seconds (``start(budget)`` ... ``stop()`` around each compile)."""
+    """Answers ``{"timeout": budget}`` on ``stdout`` and ends the process when
+    the compile under way has used more than its CPU seconds
+    (``start(budget)`` ... ``stop()`` around each compile). ``stop`` and the
+    watchdog share a lock, so the process writes one answer per request: the
+    compile's (after ``stop``) or the timeout."""
 
-    def __init__(self) -> None:
+    def __init__(self, stdout: TextIO | None = None) -> None:
+        self._stdout = stdout
+        self._lock = threading.Lock()
         self._limit: float | None = None  # process_time() at which to give up
+        self._budget = 0.0
         threading.Thread(target=self._watch, name="kvserve-cpu-watchdog", daemon=True).start()
 
     def start(self, budget: float) -> None:
-        self._limit = time.process_time() + budget
+        with self._lock:
+            self._budget = budget
+            self._limit = time.process_time() + budget
 
     def stop(self) -> None:
-        self._limit = None
+        with self._lock:
+            self._limit = None
 
     def _watch(self) -> None:
         while True:
             time.sleep(WATCH_INTERVAL)
-            limit = self._limit
-            if limit is not None and time.process_time() > limit:
-                os._exit(CPU_EXCEEDED)
+            with self._lock:
+                limit = self._limit
+                if limit is not None and time.process_time() > limit:
+                    if self._stdout is not None:
+                        self._stdout.write(json.dumps({"timeout": self._budget}) + "\n")
+                        self._stdout.flush()
+                    os._exit(CPU_EXCEEDED)
 
 
 def serve(tokenizer_json: str, vocab_size: int, eos_ids: list[int], stdin: TextIO,
@@ -116,7 +132,7 @@ def serve(tokenizer_json: str, vocab_size: int, eos_ids: list[int], stdin: TextI
     import llguidance
 
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_ids)
-    watchdog = CpuWatchdog()
+    watchdog = CpuWatchdog(stdout)
     stdout.write(json.dumps({"ready": True}) + "\n")
     stdout.flush()
     for line in stdin:

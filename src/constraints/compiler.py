@@ -362,7 +362,10 @@ class _ChildProcess:
         if not line.endswith(b"\n"):
             await self._kill()
             raise _ChildCrashed(self._exit_reason(proc))
-        return json.loads(line)
+        answer = json.loads(line)
+        if "timeout" in answer:  # its CPU watchdog answered, and the child is ending
+            await self._kill()
+        return answer
 
     async def _start(self) -> asyncio.subprocess.Process:
         try:
