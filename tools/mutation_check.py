@@ -736,6 +736,14 @@ MUTANTS_RAY_START = (
            "a --ray-address nothing answers at is passed to ray.init instead of one line, exit 2"),
 )
 
+MUTANTS_CONSTRAINT_WATCHDOG = (
+    Mutant("constraint_watchdog_silent_exit", "constraints/compile_worker.py",
+           (("                    if self._stdout is not None:", "                    if False:"),),
+           ("tests/test_constraint_watchdog.py",),
+           "a constraint past its CPU budget ends the child without answering: the server "
+           "reads a crash (or a lost exit status) instead of the budget"),
+)
+
 MUTANTS_LOGGING = (
     Mutant("log_uvicorn_keeps_its_own_handler", "observability/log.py",
            (("        uvicorn_logger.propagate = True\n", ""),),
@@ -815,7 +823,8 @@ MUTANTS_KV_CPU = (
 )
 
 MUTANTS = (MUTANTS + MUTANTS_KV_CPU + MUTANTS_KV_CUDA + MUTANTS_KV_DISK + MUTANTS_KV_DISK_CHECK
-           + MUTANTS_KV_FORMAT + MUTANTS_RAY_START + MUTANTS_LOGGING)
+           + MUTANTS_KV_FORMAT + MUTANTS_RAY_START + MUTANTS_LOGGING
+           + MUTANTS_CONSTRAINT_WATCHDOG)
 
 
 def _apply(mutant: Mutant, root: Path) -> None:
