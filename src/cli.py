@@ -30,7 +30,7 @@ from typing import NoReturn
 import structlog
 
 from kvserve.config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineConfig,
-                            SchedulerConfig, ServerConfig, SpeculativeConfig,
+                            ParallelConfig, SchedulerConfig, ServerConfig, SpeculativeConfig,
                             StructuredOutputsConfig, parse_size)
 from kvserve.model.kv_quant import KV_CACHE_DTYPES
 from kvserve.observability.log import LOG_FORMATS, LOG_LEVELS
@@ -326,7 +326,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         stall_timeout=args.stall_timeout, enforce_eager=args.enforce_eager,
                         batch_invariant=args.batch_invariant,
                         generation_config=getattr(args, "generation_config", "auto"),
-                        fault_injection=getattr(args, "fault_injection", None))
+                        fault_injection=getattr(args, "fault_injection", None),
+                        parallel=ParallelConfig(
+                            pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
+                            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                            pp_layer_partition=getattr(args, "pp_layer_partition", None),
+                            ray_address=getattr(args, "ray_address", None)))
 
 
 def _default_model_folder() -> Path:
@@ -546,6 +551,13 @@ def _add_plan_parser(plan: argparse.ArgumentParser) -> None:
                            "sliding-window layer holds")
     plan.add_argument("--max-num-seqs", type=POSITIVE_INT, default=64,
                       help="GPU: most sequences per step, for the activation estimate")
+    plan.add_argument("-tp", "--tensor-parallel-size", type=POSITIVE_INT, default=1,
+                      metavar="T", help="as serve's: each layer's heads and MLP columns over T "
+                                        "devices; prints each device's share")
+    plan.add_argument("-pp", "--pipeline-parallel-size", type=POSITIVE_INT, default=1,
+                      metavar="P", help="as serve's: the layers in P contiguous stages")
+    plan.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
+                      help="layers per pipeline stage, e.g. 16,14 (default: vLLM's even split)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -621,6 +633,26 @@ def _add_distributed_args(dist: argparse._ArgumentGroup) -> None:
     dist.add_argument("--ray-address", default=None,
                       help="an existing Ray cluster (default: a local Ray started with no "
                            "set-up)")
+    dist.add_argument("-pp", "--pipeline-parallel-size", type=POSITIVE_INT, default=1,
+                      help="split the layers into this many pipeline stages, each a Ray actor "
+                           "process with its layers' weights and KV cache (vLLM's flag; CPU)")
+    dist.add_argument("-tp", "--tensor-parallel-size", type=POSITIVE_INT, default=1,
+                      help="shard each layer's heads and MLP columns over this many worker "
+                           "processes of a node, summed by a shared-memory all-reduce (vLLM's "
+                           "flag; CPU)")
+    dist.add_argument("--pp-layer-partition", type=_partition, default=None,
+                      help="layers per pipeline stage, e.g. 16,14 (vLLM's "
+                           "VLLM_PP_LAYER_PARTITION; default: an even split)")
+
+
+def _partition(text: str) -> tuple[int, ...]:
+    """``--pp-layer-partition`` (``kvserve.core.parallel.parse_partition``)."""
+    from kvserve.core.parallel import parse_partition
+
+    try:
+        return parse_partition(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class _StartupError(Exception):
@@ -745,6 +777,10 @@ def _settled_config(args: argparse.Namespace) -> EngineConfig:
         raise _StartupError(problem)
     try:
         check_before_load(config, args.max_model_len)
+        if config.parallel.enabled:
+            from kvserve.model.loader import load_model_config
+            from kvserve.startup import check_parallel
+            check_parallel(config, load_model_config(Path(config.model)))
         if getattr(args, "prefill_replicas", 0):
             _check_disaggregation(config)
     except (ValueError, OSError) as exc:
@@ -966,12 +1002,21 @@ def _check_replica_flags(args: argparse.Namespace) -> None:
     and, when they ask for more than one engine, ``_die`` with the command
     that installs Ray if it is not installed (found without importing it)."""
     _resolve_replica_roles(args)
+    pipelined = args.pipeline_parallel_size > 1 or args.tensor_parallel_size > 1
+    if pipelined and args.data_parallel_size > 1:
+        _die("--data-parallel-size with --pipeline-parallel-size/--tensor-parallel-size does "
+             "not run yet: use one or the other")
     if args.data_parallel_size > 1 and importlib.util.find_spec("ray") is None:
         flags = ("--prefill-replicas/--decode-replicas" if args.prefill_replicas
                  else f"--data-parallel-size {args.data_parallel_size}")
         _die(f"{flags} runs engine replicas on Ray, which is not installed: "
              f"{DISTRIBUTED_EXTRA}")
-    if args.data_parallel_size > 1 and (args.ray_address or os.environ.get("RAY_ADDRESS")):
+    if pipelined and importlib.util.find_spec("ray") is None:
+        _die(f"--pipeline-parallel-size/--tensor-parallel-size run their workers on Ray, which "
+             f"is not installed: "
+             f"{DISTRIBUTED_EXTRA}")
+    if (args.data_parallel_size > 1 or pipelined) and (args.ray_address
+                                                       or os.environ.get("RAY_ADDRESS")):
         from kvserve.distributed.ray_start import RayUnreachable, ray_init_address
         try:  # a named cluster that does not answer: one line, before anything loads
             ray_init_address(args.ray_address)
@@ -1050,11 +1095,14 @@ def _plan(args: argparse.Namespace) -> int:
     holds no KV block)."""
     import json
 
+    from kvserve.core.parallel import parse_partition
     from kvserve.core.plan import format_plan, plan_capacity
 
     try:
         if args.gpu_memory_utilization is not None and args.gpu_memory_gib is None:
             raise ValueError("--gpu-memory-utilization needs --gpu-memory-gib")
+        partition = (None if args.pp_layer_partition is None
+                     else parse_partition(args.pp_layer_partition))
         model = args.model
         if model is None:
             model = str(_fetch_default_model())
@@ -1068,7 +1116,9 @@ def _plan(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[
                 "cpu" if args.gpu_memory_gib is None else "cuda"],
-            max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype)
+            max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size, pp_layer_partition=partition)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvserve plan: error: {exc}", file=sys.stderr)
         return 2

@@ -334,6 +334,11 @@ class SchedulerConfig:
     async_scheduling: bool = True
     long_prefill_token_threshold: int = 0
     speculative: SpeculativeConfig | None = None
+    #: Pipeline stages the steps run through (``ParallelConfig``); above 1
+    #: a step leaves out the requests whose next token is still in flight,
+    #: and takes at most 1/P of the decoding requests, so that P steps of
+    #: disjoint requests fill the stages (vLLM's micro-batches).
+    pipeline_parallel_size: int = 1
 
     @property
     def max_steps_in_flight(self) -> int:
@@ -349,6 +354,43 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError("pipeline_parallel_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Model parallelism (vLLM's ``ParallelConfig`` names).
+
+    ``pipeline_parallel_size`` (``-pp``): the decoder layers split into
+    that many contiguous stages (``kvserve.core.parallel.pp_layer_ranges``;
+    ``pp_layer_partition`` gives the layers per stage, else vLLM's even
+    split), each a Ray actor process with its layers' weights and KV cache
+    (``kvserve.distributed.pipeline``). ``tensor_parallel_size`` (``-tp``):
+    each stage's layers sharded by head over that many worker processes.
+    ``ray_address``: the Ray cluster (None: a local one, as
+    ``--data-parallel-size``). 1 and 1: the model runs whole in the engine's
+    process, as always.
+    """
+
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None
+    ray_address: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes of one engine: pp x tp."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    @property
+    def enabled(self) -> bool:
+        """True when the model runs in worker processes (pp or tp above 1)."""
+        return self.world_size > 1
+
+    def __post_init__(self) -> None:
+        if self.pipeline_parallel_size < 1 or self.tensor_parallel_size < 1:
+            raise ValueError("pipeline_parallel_size and tensor_parallel_size must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -461,6 +503,8 @@ class EngineConfig:
     chat_template: str | None = None
     #: Test-only faults (``kvserve.testing.faults.FaultInjection``); None injects none.
     fault_injection: FaultInjection | None = None
+    #: Pipeline and tensor parallelism (``ParallelConfig``).
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if not self.stall_timeout > 0:

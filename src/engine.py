@@ -259,6 +259,16 @@ class AsyncEngine:
         """True while the engine accepts requests."""
         return self._ready
 
+    def health(self) -> dict:
+        """``/health``'s body while ready: ``{"status": "ok"}``, or
+        ``"degraded"`` with ``pipeline_stages_down`` while a pipeline stage
+        does not answer (Ray restarts it; ``kvserve.distributed.pipeline``)."""
+        executor = getattr(self.core.runner, "executor", None)
+        down = sorted(executor.down) if executor is not None else []
+        if down:
+            return {"status": "degraded", "pipeline_stages_down": down}
+        return {"status": "ok"}
+
     # ------------------------------------------------------------ requests
 
     def generate(self, request: GenerateRequest) -> RequestStream:
@@ -443,3 +453,6 @@ class AsyncEngine:
             self._watch_task = None
         for actor in self._actors:
             await actor.stop()
+        executor = getattr(self.core.runner, "executor", None)
+        if executor is not None:  # the pipeline stages' processes
+            executor.shutdown()

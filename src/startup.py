@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import structlog
 
 from kvserve.config import EngineConfig, ModelConfig
@@ -76,6 +77,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     and ``startup_progress`` while it runs, whenever it has been silent for
     ``PROGRESS_INTERVAL`` seconds (``LoadProgress``).
     """
+    if config.parallel.enabled:
+        return _build_pipelined_core(config)
     t0 = time.monotonic()
     with LoadProgress(log) as progress:
         with progress.step("checkpoint", "reading the config and tokenizer"):
@@ -94,6 +97,118 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     _log_ready(config, path, backend, plan, loaded.weights_bytes, time.monotonic() - t0)
     return EngineCore(config, model_config, tokenizer, backend, runner, scheduler, plan,
                       plan.max_model_len, layout)
+
+
+def check_parallel(config: EngineConfig, model: ModelConfig) -> None:
+    """Refuse, with ``--pipeline-parallel-size`` / ``--tensor-parallel-size``,
+    what does not run in stage processes yet: the CUDA backend (no NCCL
+    path yet), GGUF block weights with tensor parallelism, sliding-window
+    layers, speculative decoding and the KV offload tier. Raises
+    ``ValueError`` (one line); checks the layer partition
+    (``pp_layer_ranges``) and the head split (``tp_head_shards``)."""
+    from kvserve.core.parallel import pp_layer_ranges, tp_head_shards
+    from kvserve.model.quantization import BLOCK_SCHEMES
+
+    parallel = config.parallel
+    if not parallel.enabled:
+        return
+    pp_layer_ranges(model.num_hidden_layers, parallel.pipeline_parallel_size,
+                    parallel.pp_layer_partition)
+    tp_head_shards(model.num_attention_heads, model.num_key_value_heads,
+                   parallel.tensor_parallel_size)
+    flag = "--pipeline-parallel-size/--tensor-parallel-size"
+    if parallel.tensor_parallel_size > 1 and config.quantization in BLOCK_SCHEMES:
+        raise ValueError(f"--quantization {config.quantization} (GGUF blocks) does not split "
+                         "over --tensor-parallel-size yet: use none, int8 or w8a8")
+    if config.backend == "cuda":
+        raise ValueError(f"{flag} runs on the CPU backend only so far")
+    if model_kv_layout(model).is_hybrid:
+        raise ValueError(f"{model.name} has sliding-window layers: {flag} does not take such a "
+                         "model yet")
+    if config.scheduler.speculative is not None:
+        raise ValueError(f"--speculative-config does not run with {flag} yet")
+    if config.cache.kv_offloading_size or config.cache.kv_offloading_shm_path:
+        raise ValueError(f"--kv-offloading-size does not run with {flag} yet")
+
+
+def _build_pipelined_core(config: EngineConfig) -> EngineCore:
+    """``build_engine_core`` with the layers in pipeline stages
+    (``kvserve.distributed.pipeline``): the engine's process reads the
+    config and tokenizer, plans the KV cache for the stage with the most
+    layers (``--kv-cache-memory`` is per stage process, as vLLM's
+    ``VLLM_CPU_KVCACHE_SPACE`` is per worker), starts the stages on Ray and
+    keeps the scheduler and the sampler."""
+    from kvserve.core.parallel import pp_layer_ranges, tp_head_shards
+    from kvserve.distributed.pipeline import PipelineExecutor, PipelineRunner
+
+    t0 = time.monotonic()
+    path, model_config, tokenizer = _load_checkpoint(config)
+    check_parallel(config, model_config)
+    parallel = config.parallel
+    ranges = pp_layer_ranges(model_config.num_hidden_layers, parallel.pipeline_parallel_size,
+                             parallel.pp_layer_partition)
+    shards = tp_head_shards(model_config.num_attention_heads, model_config.num_key_value_heads,
+                            parallel.tensor_parallel_size)
+    # the worker that holds the most K/V per token sets the blocks (the same on every worker)
+    widest = replace(model_config, num_hidden_layers=max(len(r) for r in ranges),
+                     num_key_value_heads=max(len(s.kv_heads) for s in shards), layer_types=())
+    requested = resolve_max_model_len(model_config, config.scheduler.max_model_len)
+    plan = cap_to_cache(plan_kv_cache(widest, config.cache, requested, CPU_DTYPE_BYTES, None,
+                                      config.scheduler.max_num_batched_tokens))
+    executor = PipelineExecutor(config, model_config, plan.num_blocks, plan.block_size)
+    _log_stages(executor, plan)
+    runner = PipelineRunner(
+        model_config, executor, plan.block_size, logprobs_mode=config.logprobs_mode,
+        seed=config.seed, structured=StructuredOutputs(path / "tokenizer.json",
+                                                       model_config.vocab_size,
+                                                       model_config.eos_token_ids))
+    layout = KVLayout((model_config.num_hidden_layers, 2, plan.block_size,
+                       model_config.num_key_value_heads, model_config.head_dim), "<f4",
+                      model_fingerprint(path, config, _HostBackend))
+    config = replace(config, scheduler=replace(
+        config.scheduler, pipeline_parallel_size=parallel.pipeline_parallel_size))
+    scheduler = _build_scheduler(config, plan, layout, None)
+    weights_bytes = sum(info.weights_bytes for info in executor.infos)
+    _log_ready(config, path, _HostBackend, plan, weights_bytes, time.monotonic() - t0)
+    return EngineCore(config, model_config, tokenizer, _HostBackend, runner, scheduler, plan,
+                      plan.max_model_len, layout)
+
+
+class _HostBackend:
+    """What the engine reads of a backend when the model runs in pipeline
+    stages: its name and dtype (the stages' CPU backend, float32) and the
+    host array ops the sampler uses."""
+
+    name = "cpu"
+    dtype = np.dtype(np.float32)
+    ops = None
+
+
+def _log_stages(executor, plan: KVCachePlan) -> None:
+    """One ``pipeline_stage`` line per worker (stage, TP rank, layers,
+    heads, process, weights, KV bytes) and ``pipeline_config`` (stages,
+    TP size, threads, micro-batches, KV in all)."""
+    for info in executor.infos:
+        tp = f" TP rank {info.tp_rank}," if executor.tp > 1 else ""
+        log.info("pipeline_stage", stage=info.index, tp_rank=info.tp_rank,
+                 layers=[info.layers.start, info.layers.stop], q_heads=info.q_heads,
+                 kv_heads=info.kv_heads, pid=info.pid, weights_bytes=info.weights_bytes,
+                 kv_bytes=info.kv_bytes, seconds=round(info.seconds, 2),
+                 message=f"Pipeline stage {info.index},{tp} layers {info.layers.start}-"
+                         f"{info.layers.stop - 1} ({len(info.layers)}), {info.q_heads} query / "
+                         f"{info.kv_heads} KV heads, process {info.pid}: "
+                         f"{info.weights_bytes / 2**20:,.1f} MiB of weights, "
+                         f"{info.kv_bytes / 2**20:,.1f} MiB of KV cache "
+                         f"({plan.num_tokens:,} tokens)")
+    total_kv = sum(info.kv_bytes for info in executor.infos)
+    log.info("pipeline_config", pipeline_parallel_size=executor.num_stages,
+             tensor_parallel_size=executor.tp, num_threads=executor.num_threads,
+             kv_bytes=total_kv, seconds=round(executor.seconds, 2),
+             message=f"Model parallelism on Ray: {executor.num_stages} pipeline stage(s) x "
+                     f"{executor.tp} tensor-parallel worker(s), {executor.num_threads} CPU "
+                     f"thread(s) each, {total_kv / 2**20:,.1f} MiB of KV cache in all; "
+                     f"{min(2, executor.num_stages)} micro-batch(es) in flight (the workers "
+                     f"started in {executor.seconds:.1f} s)")
 
 
 def _check_sliding_layers(config: EngineConfig, model: ModelConfig) -> None:

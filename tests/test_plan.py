@@ -194,3 +194,188 @@ def test_kv_cache_dtype_fp8_and_disk_flags_are_refused_in_one_line(tiny_model, c
         CacheConfig(kv_offloading_path="/tmp/x")
     assert main(["plan", "--model", str(tiny_model[0]), "--kv-cache-dtype", "fp8"]) == 2
     assert "fp8 is not built" in capsys.readouterr().err
+
+
+# Model parallelism (issue 32): each device's share, worked by hand.
+#
+# TP_TINY: 3 layers, 6 query heads in 3 GQA groups of 2, head_dim 4, hidden 8,
+# intermediate 10, vocab 32, untied LM head. -tp 2 -pp 2:
+#   stages (vLLM's split): 3 // 2 = 1 each, the remainder to the stage before
+#     the last: layers [0, 2) and [2, 3).
+#   TP ranks: KV heads [0, 1) and [1, 3) (3 // 2 = 1), query heads 2 and 4;
+#     MLP columns 10 / 2 = 5 each.
+#   per layer, rank with Q query heads, K KV heads, C columns:
+#     q: Q*4*8, k and v: K*4*8 each, o: 8*Q*4, gate/up/down: C*8 each,
+#     2 norms of 8 (replicated).
+TP_TINY = dict(TINY, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
+               intermediate_size=10, tie_word_embeddings=False, max_position_embeddings=64)
+
+
+def _layer(q, k, c):
+    return q * 4 * 8 + 2 * k * 4 * 8 + 8 * q * 4 + 3 * c * 8 + 2 * 8
+
+
+RANK0, RANK1 = _layer(2, 1, 5), _layer(4, 2, 5)  # 328, 520
+EMBED = LM_HEAD = 32 * 8
+FINAL_NORM = 8
+
+
+def _checkpoint(folder, config):
+    from kvserve.model.loader import expected_tensor_shapes, load_model_config
+
+    (folder / "config.json").write_text(json.dumps(config))
+    shapes = expected_tensor_shapes(load_model_config(folder))
+    save_file({name: np.zeros(shape, np.float32) for name, shape in shapes.items()},
+              str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture()
+def tp_tiny(tmp_path):
+    return _checkpoint(tmp_path, TP_TINY)
+
+
+def test_parallel_plan_per_device_arithmetic(tp_tiny):
+    assert (RANK0, RANK1) == (328, 520)
+    assert RANK0 + RANK1 == 832 + 16  # the whole layer, and its norms a second time
+    plan = plan_capacity(tp_tiny, kv_cache_memory=4096, block_size=4, max_model_len=16,
+                         tensor_parallel_size=2, pipeline_parallel_size=2)
+    d = plan.devices
+    assert [(x.stage, x.tp_rank, x.layer_start, x.layer_stop, x.q_heads, x.kv_heads)
+            for x in d] == [(0, 0, 0, 2, 2, 1), (0, 1, 0, 2, 4, 2),
+                            (1, 0, 2, 3, 2, 1), (1, 1, 2, 3, 4, 2)]
+    params = [EMBED + 2 * RANK0, EMBED + 2 * RANK1,
+              RANK0 + FINAL_NORM + LM_HEAD, RANK1 + FINAL_NORM + LM_HEAD]
+    assert params == [912, 1296, 592, 784]
+    assert [x.num_parameters for x in d] == params
+    assert [x.weights_bytes for x in d] == [4 * p for p in params]
+    # 2 (K, V) x stage layers x KV heads held x head_dim 4 x 4 bytes
+    per_token = [2 * 2 * 1 * 4 * 4, 2 * 2 * 2 * 4 * 4, 2 * 1 * 1 * 4 * 4, 2 * 1 * 2 * 4 * 4]
+    assert [x.kv_bytes_per_token for x in d] == per_token == [64, 128, 32, 64]
+    # 4096 bytes per worker in whole blocks of 4 tokens
+    blocks = [4096 // (4 * b) for b in per_token]
+    assert [x.num_blocks for x in d] == blocks == [16, 8, 32, 16]
+    assert [x.kv_tokens for x in d] == [64, 32, 128, 64]
+    assert [x.kv_cache_memory for x in d] == [4096] * 4
+    assert (plan.num_blocks, plan.kv_tokens, plan.max_model_len) == (8, 32, 16)
+    assert plan.max_concurrency == 32 / 16
+    assert (plan.weights_bytes, plan.kv_bytes_per_token, plan.kv_cache_memory) == (
+        4 * 3584, 288, 4 * 4096)
+    assert plan.num_parameters == 3 * 832 + EMBED + FINAL_NORM + LM_HEAD
+
+
+def test_parallel_plan_caps_the_model_length_at_the_tightest_device(tp_tiny):
+    plan = plan_capacity(tp_tiny, kv_cache_memory=4096, block_size=4,
+                         tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert (plan.kv_tokens, plan.max_model_len, plan.requested_max_model_len) == (32, 32, 64)
+    assert plan.max_concurrency == 1.0
+    assert [x.max_concurrency for x in plan.devices] == [2.0, 1.0, 4.0, 2.0]
+
+
+def test_parallel_plan_with_a_partition_and_int8(tp_tiny):
+    """--pp-layer-partition 1,2: stage 0 holds layer 0, stage 1 layers 1 and 2;
+    int8 KV: head_dim + 4 = 8 bytes per K or V vector."""
+    plan = plan_capacity(tp_tiny, kv_cache_memory=4096, block_size=4,
+                         pipeline_parallel_size=2, pp_layer_partition=(1, 2),
+                         kv_cache_dtype="int8")
+    whole = 832
+    assert [(x.layer_start, x.layer_stop) for x in plan.devices] == [(0, 1), (1, 3)]
+    assert [x.num_parameters for x in plan.devices] == [EMBED + whole,
+                                                        2 * whole + FINAL_NORM + LM_HEAD]
+    assert [x.kv_bytes_per_token for x in plan.devices] == [2 * 1 * 3 * 8, 2 * 2 * 3 * 8]
+
+
+def test_tied_embedding_is_held_by_the_last_stage_too(tiny_model):
+    """TINY (tied, 2 layers of 592 parameters: q 64, k 32, v 32, o 64, MLP
+    3 x 16 x 8, norms 16): -pp 2 puts the embedding on stage 0 and, as the
+    LM head, on stage 1; -tp 2 on 2 heads / 1 KV head replicates the KV head."""
+    path, _ = tiny_model
+    layer = 64 + 32 + 32 + 64 + 3 * 16 * 8 + 16
+    plan = plan_capacity(path, kv_cache_memory=10_000, block_size=4, pipeline_parallel_size=2)
+    assert [x.num_parameters for x in plan.devices] == [EMBED + layer,
+                                                        layer + FINAL_NORM + EMBED]
+    plan = plan_capacity(path, kv_cache_memory=10_000, block_size=4, tensor_parallel_size=2)
+    # each rank: 1 query head, the 1 KV head (replicated), 8 MLP columns
+    half = 1 * 4 * 8 + 2 * 1 * 4 * 8 + 8 * 1 * 4 + 3 * 8 * 8 + 16
+    assert [x.num_parameters for x in plan.devices] == [EMBED + 2 * half + FINAL_NORM] * 2
+    assert [x.kv_bytes_per_token for x in plan.devices] == [2 * 2 * 1 * 4 * 4] * 2
+
+
+def test_parallel_gpu_plan_subtracts_each_devices_weights_and_activations(tp_tiny):
+    """2 GiB x 0.5 per device, bfloat16, 8 batched tokens, 2 sequences: a
+    device's activations are those of its heads and MLP columns (per token:
+    2 x hidden + (Q + 2K) x head_dim + Q x head_dim + 3 x C), and the float32
+    logits and probabilities of 2 rows of the vocabulary on the last stage only."""
+    plan = plan_capacity(tp_tiny, gpu_memory_gib=2, gpu_memory_utilization=0.5,
+                         dtype="bfloat16", block_size=4, max_num_batched_tokens=8,
+                         max_num_seqs=2, tensor_parallel_size=2, pipeline_parallel_size=2)
+    act0 = 8 * (2 * 8 + (2 + 2) * 4 + 2 * 4 + 3 * 5) * 2 + GPU_RESERVED_BYTES  # Q=2, K=1
+    act1 = 8 * (2 * 8 + (4 + 4) * 4 + 4 * 4 + 3 * 5) * 2 + GPU_RESERVED_BYTES  # Q=4, K=2
+    logits = 2 * 32 * 4 * 2
+    acts = [act0, act1, act0 + logits, act1 + logits]
+    assert [x.activation_bytes for x in plan.devices] == acts
+    params = [912, 1296, 592, 784]
+    memory = [GIB - 2 * p - a for p, a in zip(params, acts)]
+    assert [x.kv_cache_memory for x in plan.devices] == memory
+    per_token = [2 * 2 * 1 * 4 * 2, 2 * 2 * 2 * 4 * 2, 2 * 1 * 1 * 4 * 2, 2 * 1 * 2 * 4 * 2]
+    assert [x.num_blocks for x in plan.devices] == [m // (4 * b)
+                                                    for m, b in zip(memory, per_token)]
+    assert plan.num_blocks == memory[1] // (4 * per_token[1])
+    assert (plan.kv_cache_memory, plan.activation_bytes) == (sum(memory), sum(acts))
+    assert plan.gpu_memory_bytes == 2 * GIB
+
+
+def test_parallel_plan_table_and_json(tp_tiny, capsys):
+    flags = ["plan", "--model", str(tp_tiny), "--kv-cache-memory", "4096", "--block-size", "4",
+             "--max-model-len", "16", "-tp", "2", "-pp", "2"]
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    assert "devices                           4 (2 pipeline stages x 2 tensor-parallel ranks)" \
+        in out
+    assert out.splitlines()[-6:] == [
+        "stage  tp rank  layers  q/KV heads  weights MiB  KV bytes/token  KV tokens",
+        "    0        0     0-1         2/1         0.00              64         64",
+        "    0        1     0-1         4/2         0.00             128         32",
+        "    1        0     2-2         2/1         0.00              32        128",
+        "    1        1     2-2         4/2         0.00              64         64",
+        "KV tokens: 32 (the tightest device)"]
+    assert main([*flags, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["tensor_parallel_size"], plan["pipeline_parallel_size"]) == (2, 2)
+    assert [x["kv_tokens"] for x in plan["devices"]] == [64, 32, 128, 64]
+    assert plan["devices"][1]["weights_bytes"] == 4 * 1296 and plan["kv_tokens"] == 32
+    assert main(["plan", "--model", str(tp_tiny), "--json"]) == 0
+    assert "devices" not in json.loads(capsys.readouterr().out)  # one device: as before
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["-pp", "4"], "--pipeline-parallel-size 4 is more stages than the model's 3 layers"),
+    (["-pp", "2", "--pp-layer-partition", "2,2"], "2,2 must be 2 positive layer counts"),
+    (["-pp", "2", "--pp-layer-partition", "2;1"], "comma-separated layer counts"),
+    (["-tp", "4"], "--tensor-parallel-size 4 with 3 KV heads"),  # 4 > 3, 4 % 3 != 0
+    (["-tp", "2", "-pp", "2", "--kv-cache-memory", "100"], "stage 0, TP rank 0: "
+                                                            "--kv-cache-memory 100 bytes"),
+    (["-tp", "2", "--gpu-memory-gib", "0.5"], "stage 0, TP rank 0: 0.5 GiB"),
+])
+def test_parallel_plan_errors_are_one_line(tp_tiny, capsys, flags, message):
+    assert main(["plan", "--model", str(tp_tiny), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.model
+def test_parallel_plan_of_the_default_model(default_model_path):
+    """SmolLM2-135M, -tp 2 -pp 2, float32, 1 GiB per worker. By hand: embedding
+    49,152 x 576 = 28,311,552; a layer's rank 1 (6 query heads, KV heads 1-2,
+    768 MLP columns): q and o 6 x 64 x 576 = 221,184 each, k and v 2 x 64 x 576
+    = 73,728 each, gate/up/down 768 x 576 = 442,368 each, norms 2 x 576."""
+    plan = plan_capacity(default_model_path, tensor_parallel_size=2, pipeline_parallel_size=2)
+    rank1_layer = 2 * 221_184 + 2 * 73_728 + 3 * 442_368 + 2 * 576
+    assert rank1_layer == 1_918_080
+    device = plan.devices[1]
+    assert (device.layer_start, device.layer_stop, device.q_heads, device.kv_heads) == (
+        0, 15, 6, 2)
+    assert device.weights_bytes == 4 * (28_311_552 + 15 * rank1_layer) == 228_331_008
+    assert device.kv_bytes_per_token == 2 * 15 * 2 * 64 * 4 == 15_360
+    assert plan.kv_tokens == (GIB // (16 * 15_360)) * 16 == 69_904
+    assert plan.max_concurrency == 69_904 / 8192

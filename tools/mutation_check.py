@@ -822,9 +822,100 @@ MUTANTS_KV_CPU = (
            KV_INT8_FUSED_TESTS, "the fused decode step attends over int8 codes without scales"),
 )
 
+TP_TESTS = ("tests/model/test_tensor_parallel.py",)
+
+MUTANTS_TP = (
+    Mutant("tp_row_parallel_bias_on_every_rank", "distributed/tensor_parallel.py",
+           (("return weight if rank == 0 else np.zeros_like(weight)", "return weight"),),
+           TP_TESTS,
+           "every worker keeps the o_proj / down_proj bias: the all-reduce adds it T times"),
+    Mutant("tp_column_split_from_zero", "distributed/tensor_parallel.py",
+           (("return np.ascontiguousarray(weight[:, lo:hi])",
+             "return np.ascontiguousarray(weight[:, :hi - lo])"),),
+           TP_TESTS,
+           "o_proj / down_proj columns of every worker taken from column 0, not from its "
+           "heads' / intermediate range"),
+    Mutant("tp_allreduce_drops_third_rank", "distributed/tensor_parallel.py",
+           (("for r in range(2, self.world):", "for r in range(3, self.world):"),),
+           TP_TESTS,
+           "the shared-memory sum leaves out rank 2's slot (T >= 3 gives wrong logits)"),
+    Mutant("tp_allreduce_one_size_field", "distributed/tensor_parallel.py",
+           (("counters[me + 1 + (g & 1)] = n", "counters[me + 1] = n"),
+            ("sizes = [counters[i + 1 + (g & 1)] for i in self._gen]",
+             "sizes = [counters[i + 1] for i in self._gen]")),
+           TP_TESTS,
+           "one element-count field per rank: a peer already in the next call overwrites it "
+           "and the size check fails spuriously"),
+    Mutant("tp_allreduce_single_buffer", "distributed/tensor_parallel.py",
+           (("slots = self._slots[g & 1, :, :n]", "slots = self._slots[0, :, :n]"),),
+           TP_TESTS,
+           "one buffer without a second barrier: a rank already in the next call overwrites "
+           "its slot before a slower rank has summed it"),
+)
+
+MUTANTS_PLAN_PARALLEL = (
+    Mutant("plan_device_kv_unsharded", "core/plan.py",
+           (("num_key_value_heads=len(shard.kv_heads), intermediate_size=len(columns))",
+             "num_key_value_heads=model.num_key_value_heads, intermediate_size=len(columns))"),),
+           ("tests/test_plan.py",),
+           "each device sized as if it held every KV head: no KV memory freed by tensor parallelism"),
+    Mutant("plan_loosest_device", "core/plan.py",
+           (("tightest = min(d.kv_tokens for d in devices)",
+             "tightest = max(d.kv_tokens for d in devices)"),),
+           ("tests/test_plan.py",),
+           "the plan's KV tokens are the loosest device's, more than the tightest device holds"),
+    Mutant("plan_query_weights_unsharded", "core/plan.py",
+           (("return n * len(shard.q_heads) // model.num_attention_heads",
+             "return n"),),
+           ("tests/test_plan.py",),
+           "every TP rank counted with the whole q_proj and o_proj"),
+)
+
+PIPELINE_TESTS = ("tests/model/test_pipeline_runner.py",)
+MICRO_BATCH_TESTS = ("tests/core/test_core_pipeline_micro_batches.py",)
+
+MUTANTS_PIPELINE = (
+    Mutant("pp_micro_batch_takes_every_decode", "core/scheduler.py",
+           (("decodes = [r for r in decodes if not r.num_output_placeholders][\n"
+             "                :-(-len(decodes) // stages)]",
+             "decodes = [r for r in decodes if not r.num_output_placeholders]"),),
+           MICRO_BATCH_TESTS + PIPELINE_TESTS,
+           "a pipelined step takes every free decode: the second micro-batch is empty and one "
+           "stage idles while the other computes"),
+    Mutant("pp_micro_batch_cap_counts_tokens_in_flight", "core/scheduler.py",
+           (("decodes = [r for r in decodes if not r.num_output_placeholders][",
+             "decodes = [r for r in decodes][",),),
+           MICRO_BATCH_TESTS,
+           "the 1/P cap is taken from a list that still holds the requests in flight: the "
+           "next micro-batch comes out empty"),
+    Mutant("pp_stage_ignores_previous_mlp_output", "model/llama.py",
+           (("            ops.fused_add_rms_norm(x, residual, self.layers[0].input_norm, "
+             "cfg.rms_norm_eps)\n",
+             "            x = ops.rms_norm(hidden, self.layers[0].input_norm, cfg.rms_norm_eps)\n"),),
+           PIPELINE_TESTS,
+           "a later stage drops the previous stage's last MLP output instead of adding it to "
+           "the residual stream (op path)"),
+    Mutant("pp_fused_decode_ignores_previous_mlp_output", "cpu/decode_path.py",
+           (("    add_first = x is not None\n", "    add_first = False\n"),),
+           PIPELINE_TESTS,
+           "the fused decode step of a later stage starts from the residual alone"),
+    Mutant("pp_finished_request_dropped_in_flight", "distributed/pipeline.py",
+           (("        self._finish_ahead(set(scheduler_output.finished_request_ids))\n", ""),),
+           PIPELINE_TESTS,
+           "a step that preempts (or aborts) a request of the step in flight drops its state "
+           "before that step samples it"),
+    Mutant("pp_restarted_stage_runs_any_step", "distributed/pipeline.py",
+           (("    return all(c.request_id in new and c.start_position == 0 "
+             "for c in scheduler_output.scheduled)",
+             "    return True"),),
+           PIPELINE_TESTS,
+           "after a stage restarted empty, a step that reads its lost K/V runs anyway"),
+)
+
 MUTANTS = (MUTANTS + MUTANTS_KV_CPU + MUTANTS_KV_CUDA + MUTANTS_KV_DISK + MUTANTS_KV_DISK_CHECK
            + MUTANTS_KV_FORMAT + MUTANTS_RAY_START + MUTANTS_LOGGING
-           + MUTANTS_CONSTRAINT_WATCHDOG)
+           + MUTANTS_CONSTRAINT_WATCHDOG + MUTANTS_TP + MUTANTS_PLAN_PARALLEL
+           + MUTANTS_PIPELINE)
 
 
 def _apply(mutant: Mutant, root: Path) -> None:

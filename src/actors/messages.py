@@ -452,3 +452,7 @@ class StepResult:
     start: float
     end: float
     error: str | None = None
+    #: The worker lost the K/V of the cache (a pipeline stage restarted,
+    #: ``kvserve.model.runner.KVCacheLost``): the scheduler fails the running
+    #: requests and forgets every cached block.
+    kv_lost: bool = False

@@ -286,7 +286,11 @@ class SchedulerActor(Actor):
         spec = None
         if result.error is not None:
             self._fail_step(output, result.error)
+            if result.kv_lost:
+                self._drop_kv(result.error)
         else:
+            if result.kv_lost:
+                self._drop_kv(None)
             updates = self.core.update_from_output(output, runner_output.sampled,
                                                    runner_output.draft_token_ids)
             self._emit(updates, runner_output.logprobs,
@@ -333,7 +337,8 @@ class SchedulerActor(Actor):
                          prepare=runner_output.prepare_seconds,
                          forward=runner_output.forward_seconds,
                          sample=runner_output.sample_seconds,
-                         draft=runner_output.draft_seconds, emit=emit_seconds)
+                         draft=runner_output.draft_seconds, emit=emit_seconds,
+                         stages=runner_output.stage_seconds)
 
     def _refresh_load(self) -> None:
         """Running/waiting/KV gauges as they are now (they must reach 0 when
@@ -348,6 +353,26 @@ class SchedulerActor(Actor):
         """Waiting requests: admission's queue (as of its last message) and
         those staged here."""
         return self._num_queued + self.core.num_staged
+
+    def _drop_kv(self, error: str | None) -> None:
+        """The worker lost the K/V of the cache (a pipeline stage restarted):
+        after a failed step (``error``), fail every running request with
+        its error, since their K/V is gone; then forget every cached block
+        but those of running requests (a step that found the loss and ran
+        only fresh prompts wrote theirs anew), so no later request reads a
+        lost block through a prefix-cache hit. Logs ``kv_cache_lost``."""
+        core = self.core
+        failed = [r.request_id for r in core.running] if error is not None else []
+        if failed:
+            self._emit(core.finish_requests(failed, RequestStatus.FINISHED_ERROR), error=error)
+        manager = core.kv_cache_manager
+        held = {b for r in core.running for b in manager.get_block_ids(r.request_id)}
+        manager.evict_hashes(b for b in range(manager.pool.num_blocks) if b not in held)
+        self.log.error("kv_cache_lost", failed_request_ids=failed, error=error,
+                       message="The worker lost its KV cache (a pipeline stage restarted): "
+                               "every cached block forgotten"
+                               + (f", {len(failed)} more running request(s) failed"
+                                  if failed else ""))
 
     def _fail_step(self, output: SchedulerOutput, error: str) -> None:
         """A step raised: fail its requests, and those of the step in flight

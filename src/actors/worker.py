@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvserve.actors.base import Actor, Mailbox
 from kvserve.actors.messages import AttachTier, DropImports, ExecuteStep, ImportBlocks, StepResult
 from kvserve.distributed.kv_connector import log_offload_tier
+from kvserve.model.runner import KVCacheLost
 
 
 def worker_executor() -> ThreadPoolExecutor:
@@ -49,6 +50,7 @@ class WorkerActor(Actor):
         self.scheduler = scheduler
         self.make_connector = make_connector
         self._executor = executor or worker_executor()
+        self._tail: asyncio.Task | None = None  # the last pipelined step's finish
 
     async def handle(self, message) -> None:
         if isinstance(message, ExecuteStep):
@@ -62,6 +64,9 @@ class WorkerActor(Actor):
             self._attach(message)
 
     async def _execute(self, message: ExecuteStep) -> None:
+        if getattr(self.runner, "overlaps_steps", False):
+            await self._begin(message)
+            return
         loop = asyncio.get_running_loop()
         out = message.scheduler_output
         start = time.monotonic()
@@ -76,6 +81,48 @@ class WorkerActor(Actor):
             output, error = None, f"{type(exc).__name__}: {exc}"
         self.scheduler.send(StepResult(message.step_id, message.scheduler_output, output,
                                        start, time.monotonic(), error))
+
+    async def _begin(self, message: ExecuteStep) -> None:
+        """A pipelined runner's step (``kvserve.distributed.pipeline``): begin
+        it on the worker thread (the stages start on it), and finish it in a
+        task that first awaits the step before it, so the next message (the
+        next step) begins while this one is still in the stages, and the
+        scheduler gets the results in step order."""
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        out = message.scheduler_output
+        try:
+            pending, error = await loop.run_in_executor(self._executor, self.runner.begin,
+                                                        out), None
+        except Exception as exc:  # noqa: BLE001 - a failed step must not stop the engine
+            self.log.exception("step_failed", step_id=message.step_id)
+            pending, error = None, exc
+        self._tail = asyncio.create_task(self._finish(message, pending, error, start,
+                                                      self._tail))
+
+    async def _finish(self, message: ExecuteStep, pending, error: Exception | None,
+                      start: float, before: asyncio.Task | None) -> None:
+        loop = asyncio.get_running_loop()
+        if before is not None:
+            await before
+        output = None
+        if pending is not None:
+            try:
+                future = pending.future()
+                if future is not None:
+                    await asyncio.wrap_future(future)
+            except Exception:  # noqa: BLE001 - finish raises it again, as KVCacheLost
+                pass
+            try:
+                output = await loop.run_in_executor(self._executor, self.runner.finish,
+                                                    pending, message.scheduler_output)
+            except Exception as exc:  # noqa: BLE001
+                self.log.exception("step_failed", step_id=message.step_id)
+                error = exc
+        self.scheduler.send(StepResult(
+            message.step_id, message.scheduler_output, output, start, time.monotonic(),
+            None if error is None else f"{type(error).__name__}: {error}",
+            kv_lost=isinstance(error, KVCacheLost) or bool(output and output.kv_lost)))
 
     def _connector(self):
         """The runner's connector, built on first need."""
@@ -104,6 +151,8 @@ class WorkerActor(Actor):
 
     async def stop(self) -> None:
         await super().stop()
+        if self._tail is not None:
+            await asyncio.gather(self._tail, return_exceptions=True)
         if self.runner.kv_connector is not None:
             self.runner.kv_connector.close()
         self._executor.shutdown(wait=True)

@@ -31,6 +31,14 @@ with at most two steps in flight: the step that preempts it is scheduled
 while only the step before holds it, and the next ``schedule()`` comes after
 that one returned.
 
+Pipeline parallelism (``SchedulerConfig.pipeline_parallel_size`` P > 1):
+the worker begins step N+1 before step N's tokens are back, so the two
+must not share a request whose token is in flight (the stages need its
+id): a decoding request with a placeholder is left out, and a step takes
+at most ceil(D / P) of the D decoding requests, so the next step finds the
+others (vLLM's micro-batches). A prompt's next chunk may follow the chunk
+in flight: every stage computes the steps in order.
+
 Speculative decoding (``SchedulerConfig.speculative``, ``core.spec_decode``)
 adds draft tokens to a decoding request's chunk. N-gram drafts are copied
 from the request's own tokens; a draft model's come back with the step
@@ -342,11 +350,20 @@ class Scheduler:
     def _schedule_running(self, step: _Step) -> None:
         decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
         prefills = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        stages = self.config.pipeline_parallel_size
+        if stages > 1:
+            # Pipeline micro-batches: a request whose token is in flight waits
+            # for it (the stages need its id), and a step takes at most 1/P
+            # of the decodes, so the next step has the others to run.
+            decodes = [r for r in decodes if not r.num_output_placeholders][
+                :-(-len(decodes) // stages)]
         for request in decodes + prefills:
             if step.budget <= 0:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if stages > 1 and request.num_output_placeholders:
+                continue
             self._schedule_running_request(request, step)
 
     def _schedule_running_request(self, request: Request, step: _Step) -> bool:

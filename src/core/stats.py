@@ -173,6 +173,10 @@ class StepTimes:
     - ``draft``: the draft model's passes (``draft_model`` speculation).
     - ``emit``: applying the sampled tokens (``update_from_output``) and
       sending the token deltas to the detokenizer (scheduler actor).
+
+    ``stages``: with pipeline parallelism, each stage's forward seconds in
+    its own process (``forward`` is the engine's wait for all of them, so
+    ``forward - sum(stages)`` is the transfer and queueing time).
     """
 
     schedule: float = 0.0
@@ -181,6 +185,7 @@ class StepTimes:
     sample: float = 0.0
     draft: float = 0.0
     emit: float = 0.0
+    stages: tuple[float, ...] = ()
 
     def as_dict(self) -> dict[str, float]:
         """Phase name -> seconds, in ``STEP_PHASES`` order."""

@@ -190,8 +190,8 @@ def _int(a: Any, dtype: type) -> np.ndarray:
 
 
 def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
-                  kv_caches: list, num_threads: int,
-                  batch_invariant: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+                  kv_caches: list, num_threads: int, batch_invariant: bool = False,
+                  x: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """All decoder layers of a decode-only step, fused; None where the op path runs.
 
     Args:
@@ -205,6 +205,9 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
             are per-row kernels at any row count, so float32 weights stay
             fused up to ``BLOCK_MAX_SEQS`` too (the fused kernel sums each
             row as they do).
+        x: None on the first pipeline stage; on a later one float32[S, H],
+            the previous stage's last MLP output, added to ``hidden`` (then
+            the residual stream) before the first layer here.
 
     Returns:
         ``(x, residual)`` float32[S, H]: the last layer's MLP output and the
@@ -240,16 +243,22 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
     residual = hidden
     if not _f32(residual, 2):
         residual = np.array(hidden, dtype=np.float32, order="C")
-    x = np.empty_like(residual)
+    add_first = x is not None
+    if add_first:
+        if getattr(x, "shape", None) != residual.shape:
+            return None
+        x = np.array(x, dtype=np.float32, order="C")  # updated in place: never the caller's
+    else:
+        x = np.empty_like(residual)
     if mode == "layer":
         with PARALLEL_REGION:
             for i in range(len(prep.layer_objs)):
-                dl.decode_layers(i, i + 1, x, residual, i > 0, prep.layers, caches, pos,
+                dl.decode_layers(i, i + 1, x, residual, add_first or i > 0, prep.layers, caches, pos,
                                  prep.rope, slots, bt, sl, prep.eps, prep.scale, prep.nh,
                                  prep.nkv, num_threads, act_q8, batch_invariant, *extra)
     else:
         with PARALLEL_REGION:
-            dl.decode_layers(0, len(prep.layer_objs), x, residual, False, prep.layers, caches,
+            dl.decode_layers(0, len(prep.layer_objs), x, residual, add_first, prep.layers, caches,
                              pos, prep.rope, slots, bt, sl, prep.eps, prep.scale, prep.nh,
                              prep.nkv, num_threads, act_q8, batch_invariant, *extra)
     return x, residual

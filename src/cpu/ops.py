@@ -354,11 +354,14 @@ class CpuOps:
         return _gated(x, "gelu_tanh_and_mul", kernels.gelu_tanh_and_mul_kernel)
 
     def decode_layers(self, hidden: np.ndarray, model: Any, positions: np.ndarray, attn: Any,
-                      kv_caches: list) -> tuple[np.ndarray, np.ndarray] | None:
+                      kv_caches: list, x: np.ndarray | None = None
+                      ) -> tuple[np.ndarray, np.ndarray] | None:
         """A decode-only step's layers in one compiled call (``kvserve.cpu.decode_path``):
-        ``(x, residual)`` before the final norm, or None where the op path runs."""
+        ``(x, residual)`` before the final norm, or None where the op path runs.
+        ``x``: a later pipeline stage's input MLP output (``hidden`` is then
+        its residual stream)."""
         return decode_path.decode_layers(hidden, model, positions, attn, kv_caches,
-                                         self._threads(), self.batch_invariant)
+                                         self._threads(), self.batch_invariant, x=x)
 
     # ------------------------------------------------------------------ #
     # paged KV cache

@@ -45,18 +45,11 @@ from kvserve.actors.stream import RequestStream
 from kvserve.config import EngineConfig
 from kvserve.core.router import PrefixAwareRouter, ReplicaLoad
 from kvserve.distributed.host_tier import SharedHostTier
-from kvserve.distributed.ray_start import ray_init_address
+from kvserve.distributed.ray_start import start_ray
 from kvserve.distributed.replica import EngineReplica
 from kvserve.model.tokenizer import Tokenizer
 
 log = structlog.get_logger("kvserve.router")
-
-#: How Ray forwards the replicas' log lines to this process's stderr: each
-#: line as the replica wrote it (a JSON object carrying ``replica``), with no
-#: "(EngineReplica pid=...)" prefix or colour codes, and none folded into
-#: "[repeated Nx]" (every request's events must reach the log).
-RAY_LOG_ENV = {"RAY_DISABLE_WORKER_LOG_PREFIX": "1", "RAY_COLOR_PREFIX": "0",
-               "RAY_DEDUP_LOGS": "0"}
 
 #: Seconds between two reads of the replicas' loads and KV events.
 POLL_INTERVAL = 0.05
@@ -114,19 +107,7 @@ class DataParallelClient:
         parallel; returns when every replica has loaded its model (and
         attached the offload tier, when ``config.cache`` asks for one). The
         first ``prefill_replicas`` replicas only prefill."""
-        for name, value in RAY_LOG_ENV.items():  # read when ray is first imported
-            os.environ.setdefault(name, value)
-        import ray
-
-        if not ray.is_initialized():
-            address = ray_init_address(ray_address)  # never a stale recorded cluster
-            t0 = time.monotonic()
-            ray.init(address=address, include_dashboard=False, log_to_driver=True)
-            seconds = time.monotonic() - t0
-            joined = address not in (None, "local")
-            log.info("ray_started", address=address or "local", seconds=round(seconds, 2),
-                     message=f"Ray {'joined at ' + address if joined else 'started locally'} "
-                             f"in {seconds:.1f} s")
+        ray = start_ray(ray_address)
         threads = config.num_threads or max(1, int(ray.available_resources().get("CPU", 1))
                                             // num_replicas)
         tier_bytes = int(config.cache.kv_offloading_size * 2**30)

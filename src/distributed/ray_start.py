@@ -33,6 +33,17 @@ import structlog
 
 log = structlog.get_logger("kvserve.distributed")
 
+#: How Ray forwards the actors' log lines to this process's stderr: each
+#: line as the actor wrote it (a JSON object carrying ``replica`` or
+#: ``stage``), with no "(EngineReplica pid=...)" prefix or colour codes, and
+#: none folded into "[repeated Nx]" (every request's events must reach the log).
+RAY_LOG_ENV = {"RAY_DISABLE_WORKER_LOG_PREFIX": "1", "RAY_COLOR_PREFIX": "0",
+               "RAY_DEDUP_LOGS": "0"}
+#: Ray starts its worker processes at nice 15 (its ``worker_niceness``), made
+#: for batch jobs; kvserve's replicas and pipeline stages are the server's
+#: compute, so they run at the server's own priority (Ray's job manager sets
+#: 0 for its jobs too). A value in the environment is kept.
+RAY_WORKER_ENV = {"RAY_worker_niceness": "0"}
 #: Seconds a named or recorded cluster has to accept a TCP connect.
 PROBE_SECONDS = 3.0
 #: File name of the address ``ray start`` records in Ray's temp dir.
@@ -112,3 +123,26 @@ def ray_init_address(explicit: str | None, env: Mapping[str, str] = os.environ,
                 message=f"The Ray cluster recorded at {recorded} ({path}) does not answer "
                         "(stopped without `ray stop`?): starting a local Ray instead")
     return "local"
+
+
+def start_ray(explicit: str | None):
+    """Start a local Ray or join the cluster (``ray_init_address``'s rule)
+    unless this process already runs one; logs ``ray_started`` with its
+    seconds. Returns the ``ray`` module. Raises ``RayUnreachable`` for an
+    explicit address that does not answer."""
+    import time
+
+    for name, value in {**RAY_LOG_ENV, **RAY_WORKER_ENV}.items():  # read when Ray starts
+        os.environ.setdefault(name, value)
+    import ray
+
+    if not ray.is_initialized():
+        address = ray_init_address(explicit)  # never a stale recorded cluster
+        t0 = time.monotonic()
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        seconds = time.monotonic() - t0
+        joined = address not in (None, "local")
+        log.info("ray_started", address=address or "local", seconds=round(seconds, 2),
+                 message=f"Ray {'joined at ' + address if joined else 'started locally'} "
+                         f"in {seconds:.1f} s")
+    return ray

@@ -28,6 +28,7 @@ piece of the same layer loop (Hugging Face ``modeling_gemma3.py``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -119,6 +120,16 @@ class LlamaModel:
             projections (``kvserve.model.quantization``; embeddings, norms
             and the LM head stay float), or ``q4``, with ``weights`` holding
             ``BlockQuantizedWeight`` s for the tensors the GGUF stores in blocks.
+        layer_range: the decoder layers this model holds (a pipeline stage,
+            ``kvserve.core.parallel.pp_layer_ranges``); None: all. The first
+            stage holds the embedding, the last the final norm and the LM
+            head (and the embedding too when they are tied, as vLLM's last
+            rank does); ``weights`` needs only those tensors.
+        all_reduce: a tensor-parallel shard's sum over its workers, called
+            in place on the attention output projection's [T, H] result and
+            the MLP down projection's (Megatron-LM's two all-reduces a
+            layer); None without tensor parallelism. ``config`` is then the
+            shard's (its heads and intermediate size).
 
     Attributes beyond the weights: ``rope_cache`` (the full layers' RoPE
     table), ``recipes`` (one :class:`LayerRecipe` per layer), ``scale``
@@ -132,17 +143,23 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], ops: Ops,
-                 quantization: str = "none") -> None:
+                 quantization: str = "none", layer_range: range | None = None,
+                 all_reduce: Callable[[Any], None] | None = None) -> None:
         self.config = config
         self.ops = ops
         self.quantization = quantization
-        self.embed_tokens = self._table(weights["model.embed_tokens.weight"])
-        self.final_norm = self._norm(weights["model.norm.weight"])
-        if config.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = self._table(weights["lm_head.weight"])
-        self.layers = [self._load_layer(weights, i) for i in range(config.num_hidden_layers)]
+        self.layer_range = layer_range or range(config.num_hidden_layers)
+        self.is_first = self.layer_range.start == 0
+        self.is_last = self.layer_range.stop == config.num_hidden_layers
+        self.all_reduce = all_reduce
+        self.embed_tokens = self.final_norm = self.lm_head = None
+        if self.is_first or (self.is_last and config.tie_word_embeddings):
+            self.embed_tokens = self._table(weights["model.embed_tokens.weight"])
+        if self.is_last:
+            self.final_norm = self._norm(weights["model.norm.weight"])
+            self.lm_head = (self.embed_tokens if config.tie_word_embeddings
+                            else self._table(weights["lm_head.weight"]))
+        self.layers = [self._load_layer(weights, i) for i in self.layer_range]
         self.rope_cache = ops.to_device(build_rope_cache(
             config.head_dim, config.max_position_embeddings, config.rope_theta))
         self.recipes = self._recipes()
@@ -216,8 +233,8 @@ class LlamaModel:
         if self.lm_head is not self.embed_tokens:
             arrays.append(self.lm_head)
         for layer in self.layers:
-            arrays += [a for a in vars(layer).values() if a is not None]
-        return sum(int(a.nbytes) for a in arrays)
+            arrays += list(vars(layer).values())
+        return sum(int(a.nbytes) for a in arrays if a is not None)
 
 
     def forward(self, input_ids: Any, positions: Any, attn: AttentionMetadata,
@@ -237,7 +254,8 @@ class LlamaModel:
         """
         return self.ops.linear(hidden, self.lm_head)
 
-    def batch_hidden_states(self, batch: BatchInputs, kv_caches: list[Any]) -> Any:
+    def batch_hidden_states(self, batch: BatchInputs, kv_caches: list[Any],
+                            intermediate: tuple[Any, Any] | None = None) -> Any:
         """``hidden_states`` of a host-built flat batch (``InputBatch.build``):
         its arrays checked and moved to the backend by ``Ops.prepare_step``
         (one copy on a GPU); [R, H] for its ``logits_indices``. A batch with
@@ -254,60 +272,86 @@ class LlamaModel:
                 for slots, table in tables]
         return self.hidden_states(step.input_ids, step.positions,
                                   attn[0] if len(attn) == 1 else attn, kv_caches,
-                                  step.logits_indices)
+                                  step.logits_indices, intermediate)
 
     def hidden_states(self, input_ids: Any, positions: Any, attn: AttentionMetadata,
-                      kv_caches: list[Any], logits_indices: Any) -> Any:
-        """Run all layers; the final-normed hidden states of the sampling positions.
+                      kv_caches: list[Any], logits_indices: Any,
+                      intermediate: tuple[Any, Any] | None = None) -> Any:
+        """Run the model's layers; the final-normed hidden states of the
+        sampling positions, or, on a pipeline stage before the last, the
+        stage's ``(x, residual)`` for the next one.
 
         Args:
             input_ids: int64[T] token ids of the flat batch.
             positions: int64[T] absolute position of each token in its sequence.
             attn: paging metadata for the batch.
-            kv_caches: one buffer per layer, float[num_blocks, 2, block_size, nkv, hd].
+            kv_caches: one buffer per layer held, float[num_blocks, 2, block_size, nkv, hd].
             logits_indices: int64[R], the rows of the batch whose next token is
                 sampled (the last token of each sequence that finishes its prompt
                 or decodes). The LM head runs on these rows only.
+            intermediate: on a pipeline stage after the first, the previous
+                stage's ``(x, residual)`` float[T, H] (vLLM's
+                ``IntermediateTensors``); None on the first.
 
         Returns:
-            [R, H] hidden states after the final norm (the LM head's input).
+            [R, H] hidden states after the final norm (the LM head's input),
+            or ``(x, residual)`` [T, H] on a stage before the last.
         """
         ops, cfg = self.ops, self.config
-        hidden = ops.embedding(input_ids, self.embed_tokens)
-        if cfg.embedding_multiplier != 1.0:
-            # Gemma: rows times sqrt(hidden) in the activations' dtype (HF's
-            # ``embeds * embed_scale.to(weight.dtype)``).
-            hidden = hidden * hidden.dtype.type(cfg.embedding_multiplier)
+        if intermediate is None:
+            hidden = ops.embedding(input_ids, self.embed_tokens)
+            if cfg.embedding_multiplier != 1.0:
+                # Gemma: rows times sqrt(hidden) in the activations' dtype (HF's
+                # ``embeds * embed_scale.to(weight.dtype)``).
+                hidden = hidden * hidden.dtype.type(cfg.embedding_multiplier)
+            x = None
+        else:
+            x, hidden = intermediate
         # A backend may run a decode-only step's layers in one compiled call
-        # (CpuOps.decode_layers); None where it does not apply.
-        fused = getattr(ops, "decode_layers", None)
-        done = fused(hidden, self, positions, attn, kv_caches) if fused is not None else None
+        # (CpuOps.decode_layers); None where it does not apply (and with
+        # tensor parallelism, whose all-reduces come between the products).
+        fused = getattr(ops, "decode_layers", None) if self.all_reduce is None else None
+        done = None
+        if fused is not None:
+            done = (fused(hidden, self, positions, attn, kv_caches) if x is None
+                    else fused(hidden, self, positions, attn, kv_caches, x=x))
         x, residual = done if done is not None else self._layers(hidden, positions, attn,
-                                                                 kv_caches)
+                                                                 kv_caches, x)
+        if not self.is_last:
+            return x, residual
         # Only the sampled rows need the final norm and the LM head.
         x, residual = x[logits_indices], residual[logits_indices]
         ops.fused_add_rms_norm(x, residual, self.final_norm, cfg.rms_norm_eps)
         return x
 
     def _layers(self, hidden: Any, positions: Any, attn: AttentionMetadata,
-                kv_caches: list[Any]) -> tuple[Any, Any]:
-        """Every layer, op by op: ``(x, residual)`` before the final norm.
+                kv_caches: list[Any], x: Any = None) -> tuple[Any, Any]:
+        """The model's layers, op by op: ``(x, residual)`` after the last.
 
-        ``residual`` holds the residual stream; ``x`` what the next
-        ``fused_add_rms_norm`` adds to it: the attention output, then the
-        MLP output (each normed first where the layer has sandwich norms).
+        ``residual`` holds the residual stream (``hidden``, updated in
+        place); ``x`` what the next ``fused_add_rms_norm`` adds to it: the
+        attention output, then the MLP output (each normed first where the
+        layer has sandwich norms). ``x`` given (a later pipeline stage): the
+        previous layer's MLP output, added to ``hidden`` first.
         """
         ops, cfg = self.ops, self.config
         residual = hidden
-        x = ops.rms_norm(hidden, self.layers[0].input_norm, cfg.rms_norm_eps)
+        first = self.layer_range.start
+        if x is None:
+            x = ops.rms_norm(hidden, self.layers[0].input_norm, cfg.rms_norm_eps)
+        else:
+            ops.fused_add_rms_norm(x, residual, self.layers[0].input_norm, cfg.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             if i > 0:
                 ops.fused_add_rms_norm(x, residual, layer.input_norm, cfg.rms_norm_eps)
-            x = self._attention(i, layer, x, positions, self._layer_attn(attn, i), kv_caches[i])
+            x = self._attention(first + i, layer, x, positions,
+                                self._layer_attn(attn, first + i), kv_caches[i])
             if layer.attn_out_norm is not None:
                 x = ops.rms_norm(x, layer.attn_out_norm, cfg.rms_norm_eps)
             ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
             x = ops.linear(self.activation(ops.linear(x, layer.gate_up)), layer.down)
+            if self.all_reduce is not None:
+                self.all_reduce(x)
             if layer.mlp_out_norm is not None:
                 x = ops.rms_norm(x, layer.mlp_out_norm, cfg.rms_norm_eps)
         return x, residual
@@ -325,9 +369,10 @@ class LlamaModel:
 
     def _attention(self, i: int, layer: LayerWeights, x: Any, positions: Any,
                    attn: AttentionMetadata, kv_cache: Any) -> Any:
-        """Layer ``i`` 's attention block: QKV product, (q/k norms,) RoPE with
-        the layer's table, K/V write, paged attention within the layer's
-        window, output product. [T, H] -> new [T, H]."""
+        """Layer ``i`` 's attention block (``i``: the model's layer index):
+        QKV product, (q/k norms,) RoPE with the layer's table, K/V write,
+        paged attention within the layer's window, output product (summed
+        over the tensor-parallel workers). [T, H] -> new [T, H]."""
         cfg, ops = self.config, self.ops
         hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
@@ -338,7 +383,10 @@ class LlamaModel:
         windowed = {"window": recipe.window} if recipe.window else {}
         out = ops.rope_kv_attention(qkv, positions, recipe.rope_cache, kv_cache, attn,
                                     self.scale, nh, nkv, hd, **windowed)
-        return ops.linear(out.reshape(x.shape[0], nh * hd), layer.o_proj)
+        out = ops.linear(out.reshape(x.shape[0], nh * hd), layer.o_proj)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
     def _qk_norm(self, qkv: Any, layer: LayerWeights) -> None:
         """In place on qkv [T, (nh + 2 nkv) * hd]: RMSNorm of every query head

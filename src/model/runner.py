@@ -36,6 +36,12 @@ from kvserve.model.spec_verify import verify_drafts, verify_rejection
 PROMPT_LOGITS_ROWS = 256
 
 
+class KVCacheLost(RuntimeError):
+    """The K/V that the scheduler's blocks describe are gone (a pipeline
+    stage's process died and Ray restarted it empty): the step fails, and
+    the scheduler must forget every cached block (``StepResult.kv_lost``)."""
+
+
 @dataclass
 class ModelRunnerOutput:
     """Sampled tokens of one step.
@@ -62,6 +68,29 @@ class ModelRunnerOutput:
     draft_seconds: float = 0.0
     #: The step's KV transfers (``kvserve.distributed.kv_connector``), or None.
     kv_transfer: TransferResult | None = None
+    #: Pipeline parallelism: each stage's forward seconds in its process.
+    stage_seconds: tuple[float, ...] = ()
+    #: The KV cache was found lost (a restarted stage) when the step began;
+    #: the step itself read none of it. The scheduler forgets cached blocks.
+    kv_lost: bool = False
+
+
+@dataclass
+class _Step:
+    """A step between ``ModelRunner._prepare`` and ``_complete``: its
+    requests, flat batch, logits rows (``num_logits`` sampled and draft
+    rows first, then prompt-logprob rows), constraint rows and masks (being
+    filled), speculation and prompt-logprob rows, KV transfers, start time."""
+
+    scheduled: list[ScheduledRequest]
+    batch: BatchInputs
+    num_logits: int
+    constrained: list
+    masks: object
+    spec_rows: dict
+    prompt_rows: list
+    transfer: TransferResult | None
+    t_start: float
 
 
 class ModelRunner:
@@ -97,12 +126,8 @@ class ModelRunner:
         #: The KV-cache groups: one buffer per layer of a group, each shared
         #: by one layer of every group (``kvserve.core.kv_layout``).
         self.kv_layout = model_kv_layout(model_config)
-        buffers = [ops.allocate_kv_cache(num_blocks, block_size,
-                                         model_config.num_key_value_heads, model_config.head_dim,
-                                         kv_cache_dtype=kv_cache_dtype)
-                   for _ in range(self.kv_layout.group_size)]
         #: Per layer, its buffer (the same object for the layers of a slot).
-        self.kv_caches = [buffers[slot] for slot in self.kv_layout.layer_slot]
+        self.kv_caches = self._allocate_kv_caches(num_blocks, block_size, kv_cache_dtype)
         self.states: dict[str, SamplingState] = {}
         self.input_batch = InputBatch(block_size, num_groups=self.kv_layout.num_groups)
         self.xp = getattr(ops, "xp", np)  # the array module of the backend's arrays
@@ -118,6 +143,14 @@ class ModelRunner:
         #: scheduling) may still hold them; they are skipped until the
         #: scheduler reports them finished.
         self._failed: set[str] = set()
+
+    def _allocate_kv_caches(self, num_blocks: int, block_size: int, kv_cache_dtype: str) -> list:
+        """One KV buffer per layer (the layers of a KV-cache group slot share one)."""
+        cfg = self.config
+        buffers = [self.ops.allocate_kv_cache(num_blocks, block_size, cfg.num_key_value_heads,
+                                              cfg.head_dim, kv_cache_dtype=kv_cache_dtype)
+                   for _ in range(self.kv_layout.group_size)]
+        return [buffers[slot] for slot in self.kv_layout.layer_slot]
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: update request states, forward, sample.
@@ -135,6 +168,21 @@ class ModelRunner:
             raise
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        step = self._prepare(scheduler_output)
+        if isinstance(step, ModelRunnerOutput):
+            return step
+        t0 = time.perf_counter()
+        if (self.graphs is not None and not step.prompt_rows and not step.spec_rows
+                and self.graphs.accepts(step.batch)):
+            hidden, logits = None, self.graphs.replay(step.batch)  # a decode step's graph
+        else:
+            hidden, logits = self._forward_logits(step.batch, step.num_logits)
+        return self._complete(step, hidden, logits, t0)
+
+    def _prepare(self, scheduler_output: SchedulerOutput) -> _Step | ModelRunnerOutput:
+        """The step up to its forward pass: KV transfers, request states,
+        the flat batch and its logits rows; a ``ModelRunnerOutput`` at once
+        when no request of the step is left to compute."""
         t_start = time.perf_counter()
         transfer = (self.kv_connector.run(self.kv_caches, scheduler_output)
                     if self.kv_connector is not None else None)
@@ -151,26 +199,30 @@ class ModelRunner:
         if prompt_rows or spec_rows:
             extra = [spec_extra] + [rows for _, rows, _ in prompt_rows]
             batch = replace(batch, logits_indices=np.concatenate([batch.logits_indices, *extra]))
-        num_logits = num_sampled + len(spec_extra)
-        t0 = time.perf_counter()
-        if (self.graphs is not None and not prompt_rows and not spec_rows
-                and self.graphs.accepts(batch)):
-            hidden, logits = None, self.graphs.replay(batch)  # a decode step's graph
-        else:
-            hidden = self._forward(batch)
-            logits = self._sampling_logits(hidden[:num_logits])
-        if masks is not None:
-            self.structured.apply(logits, constrained, masks.result(), self.xp)
+        return _Step(scheduled, batch, num_sampled + len(spec_extra), constrained, masks,
+                     spec_rows, prompt_rows, transfer, t_start)
+
+    def _forward_logits(self, batch: BatchInputs, num_logits: int):
+        """``(hidden [R, H], logits float32[num_logits, V])`` of the batch's
+        logits rows, both on the backend."""
+        hidden = self._forward(batch)
+        return hidden, self._sampling_logits(hidden[:num_logits])
+
+    def _complete(self, step: _Step, hidden, logits, t0: float) -> ModelRunnerOutput:
+        """The step after its forward pass (``t0``: when it began):
+        constraint masks, prompt logprobs, sampling, drafts, timings."""
+        if step.masks is not None:
+            self.structured.apply(logits, step.constrained, step.masks.result(), self.xp)
         t1 = time.perf_counter()
-        if prompt_rows:
-            self._gather_prompt_logprobs(prompt_rows, hidden[num_logits:])
-        output = self._sample(batch, logits, spec_rows)
+        if step.prompt_rows:
+            self._gather_prompt_logprobs(step.prompt_rows, hidden[step.num_logits:])
+        output = self._sample(step.batch, logits, step.spec_rows)
         t2 = time.perf_counter()
         if self.drafter is not None:
-            output.draft_token_ids = self.drafter.propose(self.input_batch, scheduled,
+            output.draft_token_ids = self.drafter.propose(self.input_batch, step.scheduled,
                                                           output.sampled, self.states)
-        output.kv_transfer = transfer
-        output.prepare_seconds = t0 - t_start
+        output.kv_transfer = step.transfer
+        output.prepare_seconds = t0 - step.t_start
         output.forward_seconds, output.sample_seconds = t1 - t0, t2 - t1
         output.draft_seconds = time.perf_counter() - t2
         return output

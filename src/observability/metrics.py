@@ -78,6 +78,8 @@ METRICS: dict[str, str] = {
     "prefix_cache_divergences": "counter",
     "step_phase_seconds": "histogram",
     "engine_busy_seconds": "counter",
+    "pipeline_stage_seconds": "histogram",
+    "pipeline_stage_busy_seconds": "counter",
     "kv_offload_queries": "counter",
     "kv_offload_hits": "counter",
     "kv_transfer_blocks": "counter",
@@ -257,6 +259,27 @@ class EngineMetrics:
             "(rate(kvserve:engine_busy_seconds_total[1m]), 0..1). kvserve-specific.")
         self._kv_transfer_metrics(model_name)
         self._spec_decode_metrics(model_name)
+        self._pipeline_metrics(model_name)
+
+    def _pipeline_metrics(self, model_name: str) -> None:
+        """Per pipeline stage (``--pipeline-parallel-size``): each step's
+        forward seconds in the stage's process, and their sum, whose rate
+        per stage is its busy fraction: the pipeline bubble is
+        ``1 - sum over stages of rate(busy) / stages``. kvserve-specific."""
+        self._stage = Histogram(
+            PREFIX + "pipeline_stage_seconds",
+            "Histogram of the seconds one step spent in each pipeline stage's process "
+            "(--pipeline-parallel-size). kvserve-specific.",
+            ["model_name", "stage"], registry=self.registry, buckets=STEP_PHASE_BUCKETS)
+        self._stage_busy = Counter(
+            PREFIX + "pipeline_stage_busy_seconds",
+            "Seconds each pipeline stage spent computing steps; 1 - the mean of their rates "
+            "is the pipeline bubble. kvserve-specific.",
+            ["model_name", "stage"], registry=self.registry)
+        self._model_name = model_name
+        # exposed from the start (a one-process engine's stay at 0)
+        self._stage.labels(model_name, "0")
+        self._stage_busy.labels(model_name, "0")
 
     def _counter(self, name: str, doc: str) -> Counter:
         """A counter with only the ``model_name`` label, set to this engine's."""
@@ -394,6 +417,9 @@ class EngineMetrics:
                 self.phases[phase].observe(seconds)
         if step.num_prefill_tokens:
             self.prompt_tokens_computed.inc(step.num_prefill_tokens)
+        for stage, seconds in enumerate(step.times.stages):
+            self._stage.labels(self._model_name, str(stage)).observe(seconds)
+            self._stage_busy.labels(self._model_name, str(stage)).inc(seconds)
 
     def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
         self.running.set(running)

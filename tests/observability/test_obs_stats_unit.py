@@ -40,6 +40,9 @@ KV_HISTOGRAMS = ["kv_transfer_seconds"]
 #: Issue 17: speculative decoding, under vLLM's names.
 SPEC_COUNTERS = ["spec_decode_num_drafts", "spec_decode_num_draft_tokens",
                  "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos"]
+#: Issue 32: pipeline stages (kvserve-specific).
+PIPELINE_HISTOGRAMS = ["pipeline_stage_seconds"]
+PIPELINE_COUNTERS = ["pipeline_stage_busy_seconds"]
 
 
 def test_timeline_phases_add_up_by_construction():
@@ -172,12 +175,15 @@ def test_every_issue_metric_is_exposed_with_its_type_and_label():
     assert sorted(METRICS) == sorted(ISSUE_HISTOGRAMS + ISSUE_GAUGES + ISSUE_COUNTERS
                                      + STEP_HISTOGRAMS + STEP_COUNTERS + VLLM_HISTOGRAMS
                                      + VLLM_GAUGES + VLLM_COUNTERS + KV_COUNTERS
-                                     + KV_HISTOGRAMS + SPEC_COUNTERS)
-    for name in ISSUE_HISTOGRAMS + STEP_HISTOGRAMS + VLLM_HISTOGRAMS + KV_HISTOGRAMS:
+                                     + KV_HISTOGRAMS + SPEC_COUNTERS + PIPELINE_HISTOGRAMS
+                                     + PIPELINE_COUNTERS)
+    for name in (ISSUE_HISTOGRAMS + STEP_HISTOGRAMS + VLLM_HISTOGRAMS + KV_HISTOGRAMS
+                 + PIPELINE_HISTOGRAMS):
         assert f"# TYPE kvserve:{name} histogram" in text
     for name in ISSUE_GAUGES + VLLM_GAUGES:
         assert f"# TYPE kvserve:{name} gauge" in text
-    for name in ISSUE_COUNTERS + STEP_COUNTERS + VLLM_COUNTERS + KV_COUNTERS + SPEC_COUNTERS:
+    for name in (ISSUE_COUNTERS + STEP_COUNTERS + VLLM_COUNTERS + KV_COUNTERS + SPEC_COUNTERS
+                 + PIPELINE_COUNTERS):
         assert (f"# TYPE kvserve:{name}_total counter" in text
                 or f"# TYPE kvserve:{name} counter" in text), name
     for name in METRICS:
