@@ -15,7 +15,18 @@ than that many milliseconds (timer and scheduler noise on tiny values).
 ``make bench`` uses: machines are noisy, so that gate only catches big
 regressions.
 
-    python tools/compare.py baseline.json current.json [--by-class]
+The machine (issue 33): a result that recorded its machine
+(``replay --calibrate``: the load average before and after the run and
+``kvserve.bench.calibration``'s figures) is judged in units of that
+calibration when the baseline has one too: the current run's throughputs
+are divided, and its latencies multiplied, by ``speed`` = current
+``gemm_gflops`` / baseline ``gemm_gflops`` (a machine at half the
+baseline's GEMM rate is expected at half its throughput). And with
+``--max-load L``, a run whose 1-minute load average exceeded L before or
+after it is not judged at all: "machine too busy to judge", exit status
+``BUSY`` (3), neither a pass nor a regression.
+
+    python tools/compare.py baseline.json current.json [--by-class] [--max-load 3]
 """
 
 from __future__ import annotations
@@ -29,6 +40,9 @@ from dataclasses import dataclass
 LATENCY_FAMILIES = ("ttft", "tpot", "itl", "e2el")
 LATENCY_STATS = ("mean", "median", "p90", "p99")
 THROUGHPUTS = ("request_throughput", "output_throughput", "total_token_throughput")
+
+#: Exit status of a run too busy to judge (``--max-load``).
+BUSY = 3
 
 PRESETS = {
     "default": {"latency": 0.10, "throughput": 0.10, "error_rate": 0.0, "floor_ms": 0.0},
@@ -79,12 +93,36 @@ def threshold_for(metric: str, kind: str, opts: dict, overrides: dict[str, float
     return opts["latency"] if "_ms." in metric else opts["throughput"]
 
 
+def machine_speed(base: dict, cur: dict) -> float | None:
+    """The current machine's speed against the baseline's: the ratio of
+    their calibrated GEMM rates (``machine.calibration.gemm_gflops``), or
+    None when either result has none."""
+    rates = [((r.get("machine") or {}).get("calibration") or {}).get("gemm_gflops")
+             for r in (base, cur)]
+    if not all(isinstance(x, (int, float)) and x > 0 for x in rates):
+        return None
+    return rates[1] / rates[0]
+
+
+def run_load(result: dict) -> float | None:
+    """The highest 1-minute load average recorded around the run
+    (``machine.loadavg_before`` / ``loadavg_after``), or None."""
+    machine = result.get("machine") or {}
+    loads = [machine.get(k) for k in ("loadavg_before", "loadavg_after")]
+    ones = [x[0] for x in loads if isinstance(x, (list, tuple)) and x]
+    return max(ones) if ones else None
+
+
 def compare_summaries(base: dict, cur: dict, group: str, opts: dict,
-                      overrides: dict[str, float]) -> list[Row]:
-    """Compare one pair of summaries (as in a result's ``summary.overall``)."""
+                      overrides: dict[str, float], speed: float | None = None) -> list[Row]:
+    """Compare one pair of summaries (as in a result's ``summary.overall``);
+    ``speed`` (``machine_speed``): the current values are first scaled to
+    the baseline's machine (throughputs / speed, latencies x speed)."""
     rows = []
     for metric, kind in metric_specs(base, cur):
         b, c = _get(base, metric), _get(cur, metric)
+        if speed is not None and c is not None and kind != "abs_lower":
+            c = c * speed if kind == "lower" else c / speed
         limit = threshold_for(metric, kind, opts, overrides)
         if b is None or c is None or (isinstance(b, float) and math.isnan(b)) \
                 or (isinstance(c, float) and math.isnan(c)):
@@ -111,12 +149,13 @@ def compare_summaries(base: dict, cur: dict, group: str, opts: dict,
 def compare_results(base: dict, cur: dict, opts: dict, overrides: dict[str, float],
                     by_class: bool = False) -> list[Row]:
     """Compare two result JSONs: overall, and per class if asked (classes in both)."""
+    speed = machine_speed(base, cur)
     rows = compare_summaries(base["summary"]["overall"], cur["summary"]["overall"], "overall",
-                             opts, overrides)
+                             opts, overrides, speed)
     if by_class:
         bc, cc = base["summary"].get("by_class", {}), cur["summary"].get("by_class", {})
         for cls in sorted(set(bc) & set(cc)):
-            rows += compare_summaries(bc[cls], cc[cls], f"class:{cls}", opts, overrides)
+            rows += compare_summaries(bc[cls], cc[cls], f"class:{cls}", opts, overrides, speed)
     return rows
 
 
@@ -169,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="per family (ttft) or metric (ttft_ms.p99); repeatable")
     p.add_argument("--by-class", action="store_true", help="also compare each class")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--max-load", type=float, default=None,
+                   help="above this 1-minute load average around the current run: no verdict, "
+                        f"'machine too busy to judge', exit status {BUSY}")
     args = p.parse_args(argv)
     opts = dict(PRESETS[args.preset])
     for key, value in (("latency", args.latency_threshold), ("throughput", args.throughput_threshold),
@@ -186,6 +228,17 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"compare: error: {exc}", file=sys.stderr)
         return 2
+    load = run_load(cur)
+    if args.max_load is not None and load is not None and load > args.max_load:
+        print(f"machine too busy to judge: the load average reached {load:.2f} around the run "
+              f"(--max-load {args.max_load:g}); no verdict (exit status {BUSY})")
+        return BUSY
+    speed = machine_speed(base, cur)
+    if not args.json:
+        print("machine: " + (f"current GEMM rate {speed:.2f}x the baseline's: current figures "
+                             "scaled to the baseline's machine" if speed is not None else
+                             "no calibration in both results: raw figures compared")
+              + (f"; load average up to {load:.2f}" if load is not None else ""))
     regressions = [r for r in rows if r.status == "REGRESSION"]
     if args.json:
         print(json.dumps([r.__dict__ for r in rows], indent=1))

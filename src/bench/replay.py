@@ -612,6 +612,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="flags for the launched server, one string (e.g. '--kv-cache-memory 256MiB')")
     p.add_argument("--server-log", default=None, help="launched server's log file")
     p.add_argument("--label", default=None, help="free text stored in the result")
+    p.add_argument("--calibrate", action="store_true",
+                   help="record the machine: load average before and after the run and "
+                        "kvserve.bench.calibration's figures (compare judges in their units)")
     p.add_argument("--out", default=None, help="write the result JSON here")
     p.add_argument("--per-request", action=argparse.BooleanOptionalAction, default=True,
                    help="keep per-request records in the result JSON (default on)")
@@ -633,8 +636,14 @@ def replay_trace(args: argparse.Namespace, base_url: str) -> dict:
     common = dict(endpoint=args.endpoint, model=model, ignore_eos=args.ignore_eos,
                   temperature=args.temperature, priority_via=args.priority_via,
                   api_key=args.api_key, timeout=args.timeout)
+    machine = {"loadavg_before": [round(x, 2) for x in os.getloadavg()]}
     results, duration = replay_with_warmup(requests, base_url, args.warmup, max_conc,
                                            args.progress, **common)
+    machine["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    if getattr(args, "calibrate", False):
+        from kvserve.bench.calibration import calibrate
+
+        machine["calibration"] = calibrate(repeats=3)
     result = {
         "schema": "kvserve.bench.result/1",
         "label": args.label,
@@ -647,6 +656,7 @@ def replay_trace(args: argparse.Namespace, base_url: str) -> dict:
                    "mode": "closed-loop" if max_conc and all(r.arrival_s == 0 for r in requests)
                    else "open-loop"},
         "summary": summarize_all(results, duration, slos),
+        "machine": machine,
     }
     if args.per_request:
         result["requests"] = [r.to_json() for r in results]

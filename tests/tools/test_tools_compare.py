@@ -81,3 +81,48 @@ def test_plot_sweep_writes_png(tmp_path):
     png = tmp_path / "s.png"
     plot_sweep(points, "rate", 2, png)
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def _on_machine(result: dict, gemm_gflops: float | None, load: float) -> dict:
+    result = copy.deepcopy(result)
+    result["machine"] = {"loadavg_before": [load, load, load], "loadavg_after": [load, 0.5, 0.5]}
+    if gemm_gflops is not None:
+        result["machine"]["calibration"] = {"gemm_gflops": gemm_gflops}
+    return result
+
+
+def _half_speed(result: dict) -> dict:
+    """Every latency twice, every throughput half (a machine at half speed)."""
+    slow = copy.deepcopy(result)
+    overall = slow["summary"]["overall"]
+    for key, value in overall.items():
+        if key.endswith("_ms") and isinstance(value, dict):
+            overall[key] = {k: v * 2 if isinstance(v, float) else v for k, v in value.items()}
+        elif key.endswith("throughput"):
+            overall[key] = value / 2
+    return slow
+
+
+def test_a_machine_at_half_speed_is_judged_in_units_of_its_calibration(tmp_path, capsys):
+    """Twice the latencies and half the throughput on a machine whose GEMM
+    rate is half the baseline's: no regression; the same run without a
+    calibration in it: regressions (the raw figures are compared)."""
+    base = _on_machine(_result(), 100.0, 0.5)
+    slow = _half_speed(_result())
+    calibrated = _write(tmp_path, "slow.json", _on_machine(slow, 50.0, 0.5))
+    assert compare_main([_write(tmp_path, "base.json", base), calibrated]) == 0
+    assert "0.50x the baseline's" in capsys.readouterr().out
+    raw = _write(tmp_path, "raw.json", _on_machine(slow, None, 0.5))
+    assert compare_main([_write(tmp_path, "base.json", base), raw]) == 1
+    assert "raw figures" in capsys.readouterr().out
+
+
+def test_a_run_above_the_load_bound_gets_no_verdict(tmp_path, capsys):
+    """--max-load: a busy run exits with its own status, whatever its figures."""
+    from kvserve.bench.compare import BUSY
+
+    base = _write(tmp_path, "base.json", _on_machine(_result(), 100.0, 0.5))
+    busy = _write(tmp_path, "busy.json", _on_machine(_result(ttft_factor=3.0), 100.0, 9.0))
+    assert compare_main([base, busy, "--max-load", "4"]) == BUSY == 3
+    assert "machine too busy to judge" in capsys.readouterr().out
+    assert compare_main([base, busy]) == 1  # without the bound: a regression
