@@ -912,10 +912,98 @@ MUTANTS_PIPELINE = (
            "after a stage restarted empty, a step that reads its lost K/V runs anyway"),
 )
 
+MUTANTS_BENCH = (
+    Mutant("bench_speed_scaling_inverted", "bench/compare.py",
+           (("            c = c * speed if kind == \"lower\" else c / speed",
+             "            c = c / speed if kind == \"lower\" else c * speed"),),
+           ("tests/tools/test_tools_compare.py",),
+           "make bench scales the current run the wrong way: a slower machine looks slower still"),
+    Mutant("bench_busy_run_judged", "bench/compare.py",
+           (("    if args.max_load is not None and load is not None and load > args.max_load:",
+             "    if False:"),),
+           ("tests/tools/test_tools_compare.py",),
+           "make bench judges a run on a busy machine (reports regressions it did not cause)"),
+)
+
+#: The serving core's policies (issue 33): each mutant's one test file runs in seconds.
+MUTANTS_CORE_POLICY = (
+    Mutant("free_queue_evicts_newest_cached", "core/kv_cache_manager.py",
+           (("                else:\n                    self.free_queue.append(block)",
+             "                else:\n                    self.free_queue.appendleft(block)"),),
+           ("tests/core/test_core_kv_cache_manager.py",),
+           "a freed cached block goes to the head of the free queue: the most recently used "
+           "cached block is evicted first, not the least"),
+    Mutant("full_prefix_hit_skips_last_token", "core/kv_cache_manager.py",
+           (("        max_blocks = (request.num_tokens - 1) // self.block_size\n"
+             "        if self.num_groups > 1:",
+             "        max_blocks = request.num_tokens // self.block_size\n"
+             "        if self.num_groups > 1:"),),
+           ("tests/core/test_core_kv_cache_manager.py",),
+           "a prompt whose every block is cached takes all of them as hits: its last token "
+           "is never computed, so nothing is sampled from it"),
+    Mutant("budget_admits_at_zero", "core/scheduler.py",
+           (("        while self.staged and step.budget > 0:",
+             "        while self.staged and step.budget >= 0:"),),
+           ("tests/core/test_core_scheduler.py",),
+           "a step whose token budget is spent still admits a waiting request, with 0 "
+           "tokens scheduled (a running slot and blocks taken for nothing)"),
+    Mutant("victim_ignores_priority", "core/scheduler.py",
+           (("        return max(self.running, key=lambda r: (*self._priority_key(r), "
+             "order[id(r)]))",
+             "        return max(self.running, key=lambda r: order[id(r)])"),),
+           ("tests/core/test_core_scheduler.py",),
+           "under priority the preemption victim is the latest admitted request, not the "
+           "one of worst priority"),
+    Mutant("aging_sign_flipped", "core/request_queue.py",
+           (("return (request.priority + request.arrival_time / aging_seconds, "
+             "request.arrival_time)",
+             "return (request.priority - request.arrival_time / aging_seconds, "
+             "request.arrival_time)"),),
+           ("tests/core/test_core_admission_queue.py",),
+           "with priority aging a request's effective priority gets worse the longer it "
+           "waits (newer requests overtake older ones of the same priority)"),
+    Mutant("utf8_partial_char_streamed", "core/incremental_text.py",
+           (("if len(full_text) <= len(prefix_text) or "
+             "(full_text.endswith(REPLACEMENT_CHAR) and not flush):",
+             "if len(full_text) <= len(prefix_text):"),),
+           ("tests/actors/test_detokenizer_policy_edges.py",),
+           "a token ending mid UTF-8 character streams U+FFFD instead of waiting for the "
+           "rest of the character"),
+    Mutant("top_p_zero_accepted", "core/sampling_params.py",
+           (('_check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)',
+             '_check_range("top_p", self.top_p, 0.0, 1.0)'),),
+           ("tests/core/test_core_sampling_params.py",),
+           "top_p = 0 is accepted (an empty nucleus) instead of a 400 naming top_p"),
+    Mutant("min_tokens_off_by_one", "core/request.py",
+           (("    if num_output >= params.min_tokens:",
+             "    if num_output > params.min_tokens:"),),
+           ("tests/core/test_core_request.py",),
+           "EOS or a stop token id sampled as the min_tokens-th token does not stop the "
+           "request (one token too many)"),
+)
+
 MUTANTS = (MUTANTS + MUTANTS_KV_CPU + MUTANTS_KV_CUDA + MUTANTS_KV_DISK + MUTANTS_KV_DISK_CHECK
            + MUTANTS_KV_FORMAT + MUTANTS_RAY_START + MUTANTS_LOGGING
            + MUTANTS_CONSTRAINT_WATCHDOG + MUTANTS_TP + MUTANTS_PLAN_PARALLEL
-           + MUTANTS_PIPELINE)
+           + MUTANTS_PIPELINE + MUTANTS_BENCH + MUTANTS_CORE_POLICY)
+
+
+#: What ``.ci/run`` checks (``--ci``): every core-policy mutant, and one of
+#: each kernel or policy family whose tests run in seconds (the CUDA
+#: simulator's and the model-loading ones stay in ``make mutation-check``).
+CI_MUTANTS = (
+    # kernels: CPU attention, prefill, RoPE, norms, products, fused decode, KV int8, sampler
+    "gqa_head_mapping", "prefill_causal_mask", "rope_direction", "rms_norm_eps_placement",
+    "f32_gemv_channel", "int8_tile_channel_scale", "q4_nibble_order", "block_dot_q8_rounding",
+    "fused_kv_slot", "cpu_kv_int8_key_scale", "attention_window_ignored",
+    "top_p_drops_crossing_token", "penalty_sign", "structured_bit_order",
+    # the serving core's data and policies
+    "block_hash_parent_link", "slot_mapping_offset", "threads_no_dwell",
+    "stall_clock_not_restarted", "router_prefix_gap", "disk_checksum_unchecked",
+    "tp_allreduce_single_buffer", "pp_micro_batch_takes_every_decode",
+    "pp_finished_request_dropped_in_flight", "plan_device_kv_unsharded",
+    "bench_speed_scaling_inverted", "bench_busy_run_judged",
+) + tuple(m.name for m in MUTANTS_CORE_POLICY)
 
 
 def _apply(mutant: Mutant, root: Path) -> None:
@@ -977,15 +1065,17 @@ def _run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[bool
     return proc.returncode == 0, failed.group(1) if failed else f"(exit {proc.returncode})", out[-3000:]
 
 
-def check(mutant: Mutant | None, timeout: float) -> tuple[bool, str, float, str]:
-    """Copy, mutate (None: baseline), run. Returns (passed, killer, seconds, output)."""
+def check(mutant: Mutant | None, timeout: float,
+          baseline_of: tuple[Mutant, ...] = MUTANTS) -> tuple[bool, str, float, str]:
+    """Copy, mutate (None: baseline: the tests of ``baseline_of``), run.
+    Returns (passed, killer, seconds, output)."""
     with tempfile.TemporaryDirectory(prefix="kvserve-mutant-") as tmp:
         root = Path(tmp)
         _copy_tree(root)
         if mutant is not None:
             _apply(mutant, root)
         tests = mutant.tests if mutant else tuple(dict.fromkeys(
-            t for m in MUTANTS for t in m.tests))
+            t for m in baseline_of for t in m.tests))
         start = time.monotonic()
         passed, killer, out = _run_tests(root, tests, timeout)
         return passed, killer, time.monotonic() - start, out
@@ -996,6 +1086,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant run")
+    parser.add_argument("--ci", action="store_true",
+                        help="the subset CI runs (CI_MUTANTS: the core policies and one mutant "
+                             "per kernel family)")
     args = parser.parse_args(argv)
     if args.list:
         for m in MUTANTS:
@@ -1004,9 +1097,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.only or ()) - {m.name for m in MUTANTS}
     if unknown:
         parser.error(f"unknown mutant(s): {', '.join(sorted(unknown))}")
-    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    only = set(args.only or ()) | (set(CI_MUTANTS) if args.ci else set())
+    chosen = [m for m in MUTANTS if not only or m.name in only]
 
-    passed, killer, seconds, out = check(None, args.timeout)
+    passed, killer, seconds, out = check(None, args.timeout, tuple(chosen))
     passed = passed and not killer.startswith(("(timeout", "(no test"))  # no baseline
     print(f"baseline (no mutant): {'passed' if passed else 'FAILED'} in {seconds:.1f} s", flush=True)
     if not passed:
