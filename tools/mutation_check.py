@@ -912,6 +912,14 @@ MUTANTS_PIPELINE = (
            "after a stage restarted empty, a step that reads its lost K/V runs anyway"),
 )
 
+MUTANTS_NO_STALL = (
+    Mutant("no_char_bound", "actors/tokenizer.py",
+           (("            self._check_chars(message)\n            if message.messages is not None:",
+             "            if message.messages is not None:"),),
+           ("tests/e2e/test_e2e_no_stall.py",),
+           "huge prompts are tokenized before their 400, on the tokenizer's time"),
+)
+
 MUTANTS_BENCH = (
     Mutant("bench_speed_scaling_inverted", "bench/compare.py",
            (("            c = c * speed if kind == \"lower\" else c / speed",
@@ -985,7 +993,7 @@ MUTANTS_CORE_POLICY = (
 MUTANTS = (MUTANTS + MUTANTS_KV_CPU + MUTANTS_KV_CUDA + MUTANTS_KV_DISK + MUTANTS_KV_DISK_CHECK
            + MUTANTS_KV_FORMAT + MUTANTS_RAY_START + MUTANTS_LOGGING
            + MUTANTS_CONSTRAINT_WATCHDOG + MUTANTS_TP + MUTANTS_PLAN_PARALLEL
-           + MUTANTS_PIPELINE + MUTANTS_BENCH + MUTANTS_CORE_POLICY)
+           + MUTANTS_PIPELINE + MUTANTS_BENCH + MUTANTS_CORE_POLICY + MUTANTS_NO_STALL)
 
 
 #: What ``.ci/run`` checks (``--ci``): every core-policy mutant, and one of

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from deadlines import HANG_DEADLINE_S
 from e2e_support import SERVER_MAX_MODEL_LEN, EngineThread, LiveServer
 
 from kvserve.config import CacheConfig, EngineConfig
@@ -57,9 +58,9 @@ def live_server(_live_server_session: LiveServer) -> LiveServer:
 
 @pytest.fixture
 def http(live_server: LiveServer):
-    """An httpx client on the live server (generous timeouts: 2 shared CPU cores)."""
+    """An httpx client on the live server (its timeout a hang deadline)."""
     with httpx.Client(base_url=live_server.base_url,
-                      timeout=httpx.Timeout(180.0, connect=10.0)) as client:
+                      timeout=httpx.Timeout(HANG_DEADLINE_S, connect=60.0)) as client:
         yield client
 
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from deadlines import HANG_DEADLINE_S, hang_message
 from golden import golden_params
 from kvserve.bench.server import ServerProcess, free_port
 from kvserve.actors.messages import (
@@ -147,7 +148,7 @@ class EngineThread:
     one loop it started on, whatever pytest's plugins do with theirs.
     """
 
-    def __init__(self, config, start_timeout: float = 600.0) -> None:
+    def __init__(self, config, start_timeout: float = HANG_DEADLINE_S) -> None:
         from kvserve.engine import AsyncEngine
 
         self.loop = asyncio.new_event_loop()
@@ -160,16 +161,17 @@ class EngineThread:
             self._stop_loop()
             raise
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 300.0) -> T:
-        """Run ``coro`` on the engine's loop; its result (or exception)."""
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = HANG_DEADLINE_S) -> T:
+        """Run ``coro`` on the engine's loop; its result (or exception).
+        ``timeout`` is a hang deadline (its failure says the load average)."""
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result(timeout)
         except TimeoutError:
             future.cancel()
-            raise AssertionError(f"timed out after {timeout} s waiting for the engine") from None
+            raise AssertionError(hang_message("the engine did not answer", timeout)) from None
 
-    def generate(self, request: GenerateRequest, timeout: float = 300.0) -> Generation:
+    def generate(self, request: GenerateRequest, timeout: float = HANG_DEADLINE_S) -> Generation:
         """One request, start to end."""
         return self.run(collect(self.engine, request), timeout)
 
@@ -211,9 +213,10 @@ async def kv_snapshot(engine) -> KVSnapshot:
                       kv.pool.count_blocks())
 
 
-async def wait_all_blocks_free(engine, timeout: float = 10.0) -> KVSnapshot:
+async def wait_all_blocks_free(engine, timeout: float = HANG_DEADLINE_S / 2) -> KVSnapshot:
     """Poll until no request holds a KV block (the last step's bookkeeping
-    may still be in flight); the last snapshot, whether or not it got there."""
+    may still be in flight); the last snapshot, whether or not it got there
+    (``timeout``: a hang deadline, inside ``EngineThread.run``'s)."""
     deadline = time.monotonic() + timeout
     while True:
         snap = await kv_snapshot(engine)

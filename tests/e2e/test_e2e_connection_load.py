@@ -1,13 +1,16 @@
 """Acceptance (issue 14): the live server under many connections.
 
-- 1,000 idle connections: ``/health`` still answers within 1 s, and the
-  server closes them all within its keep-alive timeout (5 s by default).
+- 1,000 idle connections: ``/health`` answers while they are still open
+  (before the server closed all of them: it did not wait on them), and the
+  server closes them all with no word from the client (its keep-alive
+  timeout, 5 s by default).
 - 300 concurrent streaming requests, twice: each completes or is refused
   with 429/503, none gets a 500, and the server's open file descriptors come
   back to where they were.
 
 Against the shared ``kvserve serve`` of the e2e suite, with its default
-connection settings (``ServerConfig``).
+connection settings (``ServerConfig``). No wall-clock bound (issue 33): the
+deadlines here catch a hang, and their failure says the load average.
 """
 
 from __future__ import annotations
@@ -22,8 +25,7 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-
-from kvserve.config import ServerConfig
+from deadlines import hang_message
 
 pytestmark = pytest.mark.model
 
@@ -32,6 +34,8 @@ STREAMS = 300
 #: Open descriptors the server may keep beyond its baseline (a client's
 #: keep-alive connection, a log file rotated in).
 FD_SLACK = 8
+#: A hang deadline for each wait here (not a bound on how fast the server is).
+DEADLINE_S = 600.0
 
 
 def server_fds(live_server) -> int:
@@ -41,7 +45,7 @@ def server_fds(live_server) -> int:
 def wait_for(condition, within: float, what: str) -> None:
     deadline = time.monotonic() + within
     while not condition():
-        assert time.monotonic() < deadline, f"not within {within} s: {what}"
+        assert time.monotonic() < deadline, hang_message(what, within)
         time.sleep(0.05)
 
 
@@ -52,41 +56,53 @@ def address(live_server) -> tuple[str, int]:
 
 def test_1000_idle_connections_neither_block_health_nor_stay_open(live_server) -> None:
     baseline = server_fds(live_server)
-    socks = [socket.create_connection(address(live_server), timeout=10)
+    socks = [socket.create_connection(address(live_server), timeout=DEADLINE_S)
              for _ in range(IDLE_CONNECTIONS)]
-    opened = time.monotonic()
     try:
         # No wait for all 1,000 to be accepted first: the first ones may already be
         # closed by then. That the server closes every one below proves it held them.
-        start = time.monotonic()
-        response = httpx.get(f"{live_server.base_url}/health", timeout=5)
+        response = httpx.get(f"{live_server.base_url}/health", timeout=DEADLINE_S)
         assert response.status_code == 200
-        assert time.monotonic() - start < 1.0
-        closed = wait_closed(socks, ServerConfig().timeout_keep_alive + 5)
-        assert closed == IDLE_CONNECTIONS
-        assert time.monotonic() - opened < ServerConfig().timeout_keep_alive + 5
+        # /health did not wait on the idle connections: some were still open
+        # when it answered (they close only at the keep-alive timeout).
+        seen: set[int] = set()
+        closed_before = wait_closed(socks, 0.0, seen)
+        assert closed_before < IDLE_CONNECTIONS, (
+            f"/health answered only after the server closed all {IDLE_CONNECTIONS} idle "
+            f"connections (load average {os.getloadavg()})")
+        closed = closed_before + wait_closed(socks, DEADLINE_S, seen)
+        assert closed == IDLE_CONNECTIONS, hang_message(
+            f"the server closed only {closed} of {IDLE_CONNECTIONS} idle connections",
+            DEADLINE_S)
     finally:
         for sock in socks:
             sock.close()
-    wait_for(lambda: server_fds(live_server) <= baseline + FD_SLACK, 30,
-             "the server's file descriptors back to baseline")
+    wait_for(lambda: server_fds(live_server) <= baseline + FD_SLACK, DEADLINE_S,
+             "the server's file descriptors did not come back to baseline")
 
 
-def wait_closed(socks: list[socket.socket], within: float) -> int:
-    """How many of ``socks`` the server closed (EOF) within ``within`` seconds."""
+def wait_closed(socks: list[socket.socket], within: float, seen: set[int]) -> int:
+    """How many more of ``socks`` the server closed (EOF) within ``within``
+    seconds (0: those closed by now); their indices go into ``seen``, which
+    the next call leaves out."""
     selector = selectors.DefaultSelector()
-    for sock in socks:
-        sock.setblocking(False)
-        selector.register(sock, selectors.EVENT_READ)
+    for i, sock in enumerate(socks):
+        if i not in seen:
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ, i)
     closed, deadline = 0, time.monotonic() + within
-    while closed < len(socks) and time.monotonic() < deadline:
-        for key, _ in selector.select(timeout=max(0.0, deadline - time.monotonic())):
+    while selector.get_map():
+        ready = selector.select(timeout=max(0.0, deadline - time.monotonic()))
+        if not ready and time.monotonic() >= deadline:
+            break
+        for key, _ in ready:
             try:
                 data = key.fileobj.recv(4096)
             except ConnectionResetError:
                 data = b""
             if not data:
                 selector.unregister(key.fileobj)
+                seen.add(key.data)
                 closed += 1
     selector.close()
     return closed
@@ -128,5 +144,5 @@ def test_300_concurrent_streams_twice(live_server) -> None:
         odd = [o for o in outcomes if o not in ("complete", "refused")]
         assert not odd, f"round {round_}: {len(odd)} bad outcomes, e.g. {odd[:3]}"
         assert outcomes.count("complete") > 0
-        wait_for(lambda: server_fds(live_server) <= baseline + FD_SLACK, 30,
-                 f"round {round_}: file descriptors back to baseline ({baseline})")
+        wait_for(lambda: server_fds(live_server) <= baseline + FD_SLACK, DEADLINE_S,
+                 f"round {round_}: file descriptors not back to baseline ({baseline})")

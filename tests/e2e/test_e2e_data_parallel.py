@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from deadlines import HANG_DEADLINE_S, hang_message
 from e2e_support import GOLDEN, SERVER_MAX_MODEL_LEN, LiveServer, first_divergence
 
 from kvserve.observability.metrics import parse_metrics_text
@@ -157,15 +158,18 @@ def replica_pids(server: LiveServer) -> dict[int, int]:
     return {event["replica"]: event["pid"] for event in events}
 
 
-async def wait_running(client: httpx.AsyncClient, at_least: int, within: float = 60) -> None:
-    """Until the replicas together run ``at_least`` requests (their gauges)."""
+async def wait_running(client: httpx.AsyncClient, at_least: int,
+                       within: float = HANG_DEADLINE_S) -> None:
+    """Until the replicas together run ``at_least`` requests (their gauges;
+    ``within``: a hang deadline)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     while True:
         samples = parse_metrics_text((await client.get("/metrics")).text)
         if sum(v for _, v in samples.get("kvserve:num_requests_running", [])) >= at_least:
             return
-        assert loop.time() < deadline, f"fewer than {at_least} requests ran within {within} s"
+        assert loop.time() < deadline, hang_message(f"fewer than {at_least} requests ran",
+                                                    within)
         await asyncio.sleep(0.05)
 
 
@@ -198,7 +202,7 @@ async def load_then_kill(server: LiveServer, pid: int) -> tuple[list, list, dict
         plain_results = await asyncio.gather(*plains)
         stream_results = await asyncio.gather(*streams)
         loop = asyncio.get_running_loop()
-        deadline, health = loop.time() + 120, {}
+        deadline, health = loop.time() + HANG_DEADLINE_S, {}  # a hang deadline
         while loop.time() < deadline:
             response = await client.get("/health")
             health = response.json()
@@ -215,5 +219,5 @@ def test_a_killed_replica_loses_no_unstreamed_request_and_comes_back(dp_server):
         assert status == 200 and body["usage"]["completion_tokens"] == 40, body
     for lines in streamed:  # complete, or ended with an error event: never hung
         assert lines[-2:] == ["data: [DONE]", ""] or "data: [DONE]" in lines, lines[-3:]
-    assert health == {"status": "ok"}
+    assert health == {"status": "ok"}, (health, os.getloadavg())
     assert replica_pids(dp_server)[0] != pids[0], "test precondition: the replica restarted"

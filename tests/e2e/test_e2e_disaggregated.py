@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from deadlines import HANG_DEADLINE_S, hang_message
 from e2e_support import GOLDEN, SERVER_MAX_MODEL_LEN, LiveServer
 from test_e2e_data_parallel import assert_golden_as_one_engine
 
@@ -78,14 +79,15 @@ def test_a_short_prompt_skips_the_prefill_replica(pd_server):
 
 def test_both_replicas_free_every_block_and_count_the_transfer(pd_server):
     with httpx.Client(base_url=pd_server.base_url, timeout=300) as client:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_DEADLINE_S
         while True:
             samples = parse_metrics_text(client.get("/metrics").text)
             usage = {labels["replica"]: value
                      for labels, value in samples["kvserve:kv_cache_usage_perc"]}
             if usage == {"0": 0.0, "1": 0.0}:
                 break
-            assert time.monotonic() < deadline, usage
+            assert time.monotonic() < deadline, hang_message(f"KV blocks still used: {usage}",
+                                                             HANG_DEADLINE_S)
             time.sleep(0.1)
     moved = {(labels["replica"], labels["direction"]): value
              for labels, value in samples["kvserve:kv_transfer_bytes_total"]}

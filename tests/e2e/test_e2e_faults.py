@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from deadlines import HANG_DEADLINE_S
 from e2e_support import EngineThread, collect, first_divergence, make_request, \
     wait_all_blocks_free
 
@@ -96,13 +97,13 @@ def test_an_actor_that_dies_fails_open_requests_and_health(default_model_path: P
     try:
         engine = handle.engine
         first = handle.generate(make_request("victim", prompt="Once upon a time,",
-                                             max_tokens=20), timeout=60)
+                                             max_tokens=20), timeout=HANG_DEADLINE_S)
         assert first.failed is not None and first.failed.status == 500, first
         assert f"the {actor} actor died" in first.failed.message
         assert not engine.is_ready() and actor in engine.dead_reason
-        late = handle.generate(make_request("late", prompt="Hello", max_tokens=2), timeout=10)
+        late = handle.generate(make_request("late", prompt="Hello", max_tokens=2))
         assert late.failed is not None and late.failed.status == 503
-        health = handle.run(_get_health(engine), timeout=10)
+        health = handle.run(_get_health(engine))
         assert health.status_code == 503
         assert f"the {actor} actor died" in health.json()["error"]["message"]
     finally:

@@ -24,6 +24,7 @@ import time
 
 import httpx
 import pytest
+from deadlines import HANG_DEADLINE_S
 from e2e_support import SERVER_MAX_MODEL_LEN, LiveServer
 from test_e2e_data_parallel import assert_golden_as_one_engine
 
@@ -117,7 +118,7 @@ def _stream_then_kill(server: LiveServer, pid: int) -> tuple[list[dict], list[st
                     if len(events) == 5:
                         os.kill(pid, signal.SIGKILL)
                         watcher = asyncio.create_task(watch(stop))
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + HANG_DEADLINE_S  # a hang deadline
             while time.monotonic() < deadline and (not statuses or statuses[-1] != "ok"
                                                    or "degraded" not in statuses):
                 await asyncio.sleep(0.1)
@@ -138,7 +139,7 @@ def test_a_killed_stage_fails_its_requests_and_the_server_serves_again(pp_server
     assert "pipeline stage" in errors[0]["message"] and "KV cache" in errors[0]["message"]
     tokens = [e for e in events if e.get("choices")]
     assert 5 <= len(tokens) < 400
-    assert "degraded" in statuses and statuses[-1] == "ok", statuses
+    assert "degraded" in statuses and statuses[-1] == "ok", (statuses, os.getloadavg())
     restarted = pp_server.log_events("pipeline_stage_restarted")
     assert [e["stage"] for e in restarted] == [1] and restarted[0]["pid"] != stage["pid"]
     pp_server.assert_alive()  # the server itself never restarted

@@ -17,6 +17,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from deadlines import HANG_DEADLINE_S, hang_message
+
 from kvserve.actors.messages import (GenerateRequest, RequestAccepted, RequestFailed,
                                      RequestOutput)
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -30,7 +32,8 @@ KV_BYTES_PER_TOKEN = 46080
 BLOCK_BYTES = BLOCK * KV_BYTES_PER_TOKEN  # 737,280
 #: Enough for every test here (182 blocks, 2,912 tokens) without 1 GiB per engine.
 DEFAULT_KV_MEMORY = 128 * 1024**2
-STEP_TIMEOUT_S = 300.0
+#: A hang deadline of ``EngineHandle.run`` (see ``deadlines``), not a speed bound.
+STEP_TIMEOUT_S = HANG_DEADLINE_S
 
 # Texts to tokenize into prompts. Each test uses its own text (or a distinct
 # tag) so that prefix-cache hits never come from another test's requests.
@@ -122,7 +125,12 @@ class EngineHandle:
         return self.engine.core.scheduler.kv_cache_manager
 
     def run(self, coro, timeout: float = STEP_TIMEOUT_S):
-        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+        """Run ``coro`` on the engine's loop; an ``AssertionError`` that says
+        the load average when it is still running after ``timeout`` seconds."""
+        try:
+            return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+        except TimeoutError:
+            raise AssertionError(hang_message("the engine did not finish", timeout)) from None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -192,7 +200,7 @@ class EngineHandle:
         finally:
             del sched.schedule
 
-    def wait_idle(self, timeout: float = 30.0) -> None:
+    def wait_idle(self, timeout: float = STEP_TIMEOUT_S) -> None:
         """Let the actors finish (no request live, no step in flight)."""
         async def idle():
             while self.scheduler.has_unfinished_requests() or self.engine.scheduler._in_flight:

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from engine_harness import TEXTS, greedy
+from deadlines import hang_message
+from engine_harness import STEP_TIMEOUT_S, TEXTS, greedy
 from kvserve.config import SchedulerConfig
 from kvserve.core.sampling_params import SamplingParams
 
@@ -26,17 +27,20 @@ def test_abort_during_chunked_prefill_frees_blocks(budget16_engine):
 
     async def scenario():
         task = asyncio.ensure_future(engine.agenerate(prompt, greedy(8), "abort-prefill"))
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + STEP_TIMEOUT_S
         while True:
             request = engine.scheduler.get_request("abort-prefill")
             if request is not None and request.num_computed_tokens >= 64:
                 break
-            assert time.monotonic() < deadline, "the prefill never reached 64 tokens"
+            assert time.monotonic() < deadline, hang_message("the prefill did not reach 64 tokens",
+                                                             STEP_TIMEOUT_S)
             await asyncio.sleep(0.005)
         assert request.num_computed_tokens < len(prompt)
         await engine.engine.abort("abort-prefill")
+        deadline = time.monotonic() + STEP_TIMEOUT_S
         while engine.scheduler.get_request("abort-prefill") is not None:  # freed at its step
-            assert time.monotonic() < deadline + 30, "the aborted request was never finished"
+            assert time.monotonic() < deadline, hang_message(
+                "the aborted request was not finished", STEP_TIMEOUT_S)
             await asyncio.sleep(0.005)
         task.cancel()
 

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from engine_harness import TEXTS, greedy
+from deadlines import hang_message
+from engine_harness import STEP_TIMEOUT_S, TEXTS, greedy
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
@@ -107,10 +108,11 @@ def test_budget_16_output_equals_unchunked(budget16_engine, default_engine):
     async def scenario(engine):
         """Start the short request, wait until it decodes, then send the long one."""
         short_task = asyncio.ensure_future(engine.agenerate(short_prompt, short_params))
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + STEP_TIMEOUT_S
         while not engine.scheduler.requests or any(
                 r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
-            assert time.monotonic() < deadline, "the short request never decoded"
+            assert time.monotonic() < deadline, hang_message("the short request did not decode",
+                                                             STEP_TIMEOUT_S)
             await asyncio.sleep(0.005)
         long_result = await engine.agenerate(long_prompt, long_params)
         return long_result, await short_task

@@ -19,9 +19,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from queue import Empty
 
 import numpy as np
 import pytest
+from deadlines import HANG_DEADLINE_S, hang_message
 from tiny_llama import TinySpec, load_tiny
 
 from kvserve.core.parallel import tp_column_split, tp_head_shards
@@ -96,8 +98,8 @@ def on_ranks(world: int, work: Callable[[int, ShmAllReduce], object]) -> list:
     """``work(rank, all_reduce)`` on ``world`` threads sharing one
     ShmAllReduce segment; their results by rank (a rank's exception raised)."""
     name = shm_name()
-    handles = [ShmAllReduce.create(name, world, 64 * 1024, timeout=5)]
-    handles += [ShmAllReduce.attach(name, r, timeout=5) for r in range(1, world)]
+    handles = [ShmAllReduce.create(name, world, 64 * 1024, timeout=HANG_DEADLINE_S)]
+    handles += [ShmAllReduce.attach(name, r, timeout=HANG_DEADLINE_S) for r in range(1, world)]
     results: list = [None] * world
 
     def target(rank: int) -> None:
@@ -111,14 +113,20 @@ def on_ranks(world: int, work: Callable[[int, ShmAllReduce], object]) -> list:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(60)
+            t.join(2 * HANG_DEADLINE_S)
     finally:
         for h in handles:
             h.close()
         handles[0].unlink()
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:  # the first cause rather than a peer's timeout waiting for it
-        raise sorted(errors, key=lambda e: isinstance(e, TimeoutError))[0]
+        first = sorted(errors, key=lambda e: isinstance(e, TimeoutError))[0]
+        if isinstance(first, TimeoutError):
+            raise AssertionError(hang_message(f"a rank was not done ({first})",
+                                              HANG_DEADLINE_S)) from first
+        raise first
+    assert not any(t.is_alive() for t in threads), hang_message("a rank did not end",
+                                                                2 * HANG_DEADLINE_S)
     return results
 
 
@@ -257,7 +265,7 @@ def test_gguf_blocks_and_bad_shards_are_refused(tiny):
 
 def _sum_in_child(name: str, rank: int, queue) -> None:
     """Rank ``rank``: three all-reduces of integer-valued float32 arrays."""
-    handle = ShmAllReduce.attach(name, rank, timeout=30)
+    handle = ShmAllReduce.attach(name, rank, timeout=HANG_DEADLINE_S)
     got = []
     for shape in ((16, 576), (1, 576), (3, 5)):
         x = contribution(rank, shape)
@@ -277,16 +285,20 @@ def test_two_processes_sum_exactly():
     """Two spawned processes (as the Ray workers: no common parent's locks)
     sum known integer arrays of three sizes, both getting the exact sums."""
     name = shm_name()
-    owner = ShmAllReduce.create(name, 2, 16 * 576, timeout=30)
+    owner = ShmAllReduce.create(name, 2, 16 * 576, timeout=HANG_DEADLINE_S)
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     children = [ctx.Process(target=_sum_in_child, args=(name, r, queue)) for r in range(2)]
     try:
         for child in children:
             child.start()
-        results = dict(queue.get(timeout=120) for _ in children)
+        try:  # a hang deadline (a spawned child imports kvserve first)
+            results = dict(queue.get(timeout=2 * HANG_DEADLINE_S) for _ in children)
+        except Empty:
+            raise AssertionError(hang_message("a child did not sum", 2 * HANG_DEADLINE_S)) \
+                from None
         for child in children:
-            child.join(30)
+            child.join(HANG_DEADLINE_S)
     finally:
         owner.close()
         owner.unlink()
@@ -348,9 +360,10 @@ def test_a_rank_a_call_ahead_leaves_the_slow_rank_its_data():
 
             def held(g: int) -> None:
                 wait(g)
-                deadline = time.monotonic() + 5
+                deadline = time.monotonic() + HANG_DEADLINE_S
                 while g == 1 and allreduce._counters[allreduce._gen[0]] < 2:
-                    assert time.monotonic() < deadline, "rank 0 never entered call 2"
+                    assert time.monotonic() < deadline, hang_message(
+                        "rank 0 did not enter call 2", HANG_DEADLINE_S)
                     time.sleep(1e-4)
 
             allreduce._wait = held

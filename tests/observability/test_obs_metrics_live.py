@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from deadlines import HANG_DEADLINE_S, hang_message
 from e2e_support import LiveServer, iter_sse_data
 
 from kvserve.observability.metrics import METRICS, exposed_series, parse_metrics_text
@@ -32,7 +33,7 @@ def server(default_model_path, tmp_path_factory):
 
 
 def scrape(base_url: str) -> dict:
-    response = httpx.get(f"{base_url}/metrics", timeout=30)
+    response = httpx.get(f"{base_url}/metrics", timeout=HANG_DEADLINE_S)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     return parse_metrics_text(response.text)
@@ -63,14 +64,16 @@ def stream_one(client: httpx.Client, request_id: str) -> float:
     return ttft
 
 
-def wait_idle(base_url: str, timeout: float = 20.0) -> dict:
+def wait_idle(base_url: str, timeout: float = HANG_DEADLINE_S) -> dict:
+    """The metrics once no request runs or waits (``timeout``: a hang deadline)."""
     deadline = time.monotonic() + timeout
     while True:
         samples = scrape(base_url)
         idle = (value(samples, "kvserve:num_requests_running") == 0
                 and value(samples, "kvserve:num_requests_waiting") == 0)
-        if idle or time.monotonic() > deadline:
+        if idle:
             return samples
+        assert time.monotonic() < deadline, hang_message("the server did not go idle", timeout)
         time.sleep(0.1)
 
 
@@ -79,16 +82,16 @@ def run(server: LiveServer):
     """N streamed requests, one at a time, between two scrapes."""
     before = wait_idle(server.base_url)
     ids = [f"obs-{i}-{time.monotonic_ns()}" for i in range(N)]
-    with httpx.Client(base_url=server.base_url, timeout=180) as client:
+    with httpx.Client(base_url=server.base_url, timeout=HANG_DEADLINE_S) as client:
         client_ttfts = [stream_one(client, rid) for rid in ids]
     after = wait_idle(server.base_url)
     wait_for_stats_line(server)
     return before, after, ids, client_ttfts
 
 
-def wait_for_stats_line(server: LiveServer, timeout: float = 15.0) -> None:
+def wait_for_stats_line(server: LiveServer, timeout: float = HANG_DEADLINE_S) -> None:
     """Until an ``engine_stats`` line follows the last ``request_finished``
-    in the server's log (one stats interval later), or the deadline."""
+    in the server's log (one stats interval later), or the (hang) deadline."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         names = [e.get("event") for e in _events(server)]
@@ -108,7 +111,13 @@ def test_metrics_after_streamed_requests(server, run):
     assert delta("kvserve:time_to_first_token_seconds_count") == N
     server_ttft = delta("kvserve:time_to_first_token_seconds_sum")
     client_ttft = sum(client_ttfts)
-    assert abs(server_ttft - client_ttft) <= 0.2 * client_ttft, (server_ttft, client_ttfts)
+    # The histogram holds the requests' own TTFTs (each logged, from arrival:
+    # queue + prefill), no wall-clock ratio to the client's (issue 33).
+    finished = {e["request_id"]: e for e in _events(server)
+                if e.get("event") == "request_finished" and e.get("request_id") in ids}
+    logged = [finished[rid]["ttft_s"] for rid in ids]
+    assert server_ttft == pytest.approx(sum(logged), abs=1e-4 * N), (server_ttft, logged)
+    assert all(finished[rid]["prefill_s"] > 0 for rid in ids), finished
     assert server_ttft <= client_ttft  # the client's TTFT includes HTTP on top
     assert delta("kvserve:request_time_per_output_token_seconds_sum") > 0
     assert delta("kvserve:request_time_per_output_token_seconds_count") == N

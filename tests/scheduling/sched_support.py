@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from deadlines import HANG_DEADLINE_S, hang_message
 from e2e_support import EngineThread, free_port, iter_sse_data  # noqa: F401 - re-exported
 
 from kvserve.actors.messages import GenerateRequest, RequestAccepted, RequestFailed, RequestOutput
@@ -89,12 +90,14 @@ def submit(engine, request_id: str, prompt_ids: Sequence[int], params: SamplingP
     return tracked, asyncio.ensure_future(_follow(stream, tracked))
 
 
-async def wait_until(predicate, timeout: float, what: str, poll: float = 0.005) -> None:
-    """Poll ``predicate()`` on the running loop; ``AssertionError`` after ``timeout``."""
+async def wait_until(predicate, what: str, timeout: float = HANG_DEADLINE_S,
+                     poll: float = 0.005) -> None:
+    """Poll ``predicate()`` on the running loop; ``AssertionError`` (saying
+    the load average) after ``timeout`` seconds, a hang deadline."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
+            raise AssertionError(hang_message(f"not reached: {what}", timeout))
         await asyncio.sleep(poll)
 
 
@@ -236,7 +239,8 @@ class AppServer:
     scheduler and KV cache with ``engine_thread.run(...)``.
     """
 
-    def __init__(self, engine_thread: EngineThread, start_timeout: float = 30.0) -> None:
+    def __init__(self, engine_thread: EngineThread,
+                 start_timeout: float = HANG_DEADLINE_S) -> None:
         from kvserve.api.app import build_app
         from kvserve.config import ServerConfig
 
@@ -255,7 +259,7 @@ class AppServer:
                 self._future.result()  # raises what stopped it
                 raise RuntimeError("uvicorn stopped before it started")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"uvicorn not started after {start_timeout} s")
+                raise RuntimeError(hang_message("uvicorn did not start", start_timeout))
             time.sleep(0.02)
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ import asyncio
 
 import httpx
 import pytest
+from deadlines import HANG_DEADLINE_S
 from e2e_support import LiveServer
 from sched_support import (PROMPT, HTTPRecord, assert_error_body, chat_body, greedy,
                            sse_stream, submit, wait_until)
@@ -34,18 +35,18 @@ def limited_server(default_model_path, tmp_path_factory):
 def test_http_beyond_waiting_limit_429_with_retry_after_accepted_complete(limited_server):
     async def go():
         async with httpx.AsyncClient(base_url=limited_server.base_url,
-                                     timeout=httpx.Timeout(180.0, connect=10.0)) as client:
+                                     timeout=httpx.Timeout(HANG_DEADLINE_S, connect=60.0)) as client:
             running = asyncio.Event()
             tasks = [asyncio.ensure_future(sse_stream(client, chat_body(PROMPT, 60), name="run",
                                                       first_content=running))]
-            await asyncio.wait_for(running.wait(), 120)
+            await wait_until(running.is_set, "the running request streaming")
             # Fill the waiting queue one request at a time: a streaming answer's
             # status comes once the request was admitted (or refused).
             for i in range(MAX_WAITING):
                 answered, record = asyncio.Event(), HTTPRecord(f"wait-{i}")
                 tasks.append(asyncio.ensure_future(sse_stream(
                     client, chat_body(f"{PROMPT} ({i})", 8), accepted=answered, record=record)))
-                await asyncio.wait_for(answered.wait(), 60)
+                await wait_until(answered.is_set, f"wait-{i} answered")
                 assert record.status == 200, (record, "waiting request refused")
             refused_stream = [await sse_stream(client, chat_body(PROMPT, 8), name=f"over-{i}")
                               for i in range(2)]
@@ -83,7 +84,7 @@ async def _with_one_running(handle, tag, then):
     """Start a long request, wait until it runs, then ``await then()``."""
     ids = handle.encode(PROMPT)
     long, long_task = submit(handle.engine, f"{tag}-long", ids, greedy(40))
-    await wait_until(lambda: long.first_output_at is not None, 60, "long request running")
+    await wait_until(lambda: long.first_output_at is not None, "long request running")
     result = await then()
     await long_task
     return long, result
@@ -95,7 +96,7 @@ def test_waiting_tokens_limit_429_names_the_flag(sched_loop):
 
     async def then():
         first, first_task = submit(handle.engine, "tok-first", prompt, greedy(2))
-        await wait_until(lambda: handle.engine.load.num_waiting == 1, 30, "first one waiting")
+        await wait_until(lambda: handle.engine.load.num_waiting == 1, "first one waiting")
         second, second_task = submit(handle.engine, "tok-second", prompt, greedy(2))
         await asyncio.gather(first_task, second_task)
         return first, second

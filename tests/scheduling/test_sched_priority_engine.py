@@ -12,6 +12,7 @@ import asyncio
 import time
 
 import pytest
+from deadlines import HANG_DEADLINE_S, hang_message
 from sched_support import PROMPT, completion_order, greedy, submit, wait_until
 
 from kvserve.config import SchedulerConfig
@@ -46,9 +47,9 @@ async def _urgent_after_queue(handle, low: int, tag: str):
     ids = handle.encode(PROMPT)
     preempted_before = handle.engine.scheduler.total_preemptions
     long, long_task = submit(engine, f"{tag}-long", ids, greedy(LONG_TOKENS), low)
-    await wait_until(lambda: long.first_output_at is not None, 60, "long request running")
+    await wait_until(lambda: long.first_output_at is not None, "long request running")
     lows = [submit(engine, f"{tag}-low-{i}", ids, greedy(SHORT_TOKENS), low) for i in range(5)]
-    await wait_until(lambda: engine.load.num_waiting == 5, 30, "five low-priority requests waiting")
+    await wait_until(lambda: engine.load.num_waiting == 5, "five low-priority requests waiting")
     assert sched.num_running == 1 and sched.get_request(long.request_id) is not None
     urgent, urgent_task = submit(engine, f"{tag}-urgent", ids, greedy(SHORT_TOKENS), 0)
     await asyncio.gather(long_task, urgent_task, *(task for _, task in lows))
@@ -112,7 +113,7 @@ AGING_S = 0.5
 AGED_LOW = 2
 CROSSOVER_S = AGED_LOW * AGING_S + 0.05  # arrivals after tL + this sort behind "low"
 OUTSTANDING_HIGH = 4  # priority-0 requests kept submitted-and-unfinished
-MAX_FEED_S = 180.0  # safety bound only
+MAX_FEED_S = HANG_DEADLINE_S  # a hang deadline only
 
 
 async def _feed_high_while_low_waits(handle, tag: str, enough):
@@ -131,7 +132,7 @@ async def _feed_high_while_low_waits(handle, tag: str, enough):
             tasks.append(task)
 
     top_up()
-    await wait_until(lambda: highs[0].first_output_at is not None, 60, "high stream running")
+    await wait_until(lambda: highs[0].first_output_at is not None, "high stream running")
     low, low_task = submit(engine, f"{tag}-low", ids, greedy(4), AGED_LOW)
 
     def late():
@@ -139,7 +140,8 @@ async def _feed_high_while_low_waits(handle, tag: str, enough):
 
     deadline = time.monotonic() + MAX_FEED_S
     while not enough(low, late()):
-        assert time.monotonic() < deadline, "feeding did not reach its end condition"
+        assert time.monotonic() < deadline, hang_message(
+            "feeding did not reach its end condition", MAX_FEED_S)
         top_up()
         await asyncio.sleep(0.005)
     snapshot = (low.first_output_at, [h.first_output_at for h in late()])

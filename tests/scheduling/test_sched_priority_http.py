@@ -11,8 +11,10 @@ import asyncio
 
 import httpx
 import pytest
+from deadlines import HANG_DEADLINE_S
 from e2e_support import LiveServer
-from sched_support import PROMPT, HTTPRecord, assert_error_body, chat_body, sse_stream
+from sched_support import (PROMPT, HTTPRecord, assert_error_body, chat_body, sse_stream,
+                           wait_until)
 
 pytestmark = pytest.mark.model
 
@@ -43,7 +45,7 @@ def fcfs_server(default_model_path, tmp_path_factory):
 
 def _client(server: LiveServer) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=server.base_url,
-                             timeout=httpx.Timeout(180.0, connect=10.0))
+                             timeout=httpx.Timeout(HANG_DEADLINE_S, connect=60.0))
 
 
 async def _scenario(server: LiveServer, low: int, urgent_headers: dict, urgent_extra: dict):
@@ -55,14 +57,14 @@ async def _scenario(server: LiveServer, low: int, urgent_headers: dict, urgent_e
         tasks = [asyncio.ensure_future(sse_stream(
             client, chat_body(PROMPT, LONG_TOKENS), headers={"X-Priority": str(low)},
             first_content=running, record=long))]
-        await asyncio.wait_for(running.wait(), 120)
+        await wait_until(running.is_set, "the long request streaming")
         lows = []
         for i in range(5):
             answered, record = asyncio.Event(), HTTPRecord(f"low-{i}")
             tasks.append(asyncio.ensure_future(sse_stream(
                 client, chat_body(f"{PROMPT} ({i})", SHORT_TOKENS),
                 headers={"X-Priority": str(low)}, accepted=answered, record=record)))
-            await asyncio.wait_for(answered.wait(), 60)
+            await wait_until(answered.is_set, f"low-{i} answered")
             assert record.status == 200, record
             lows.append(record)
         urgent = HTTPRecord("urgent")
@@ -109,7 +111,7 @@ def test_http_fcfs_urgent_finishes_last(fcfs_server):
 def test_http_fcfs_non_zero_priority_is_400_naming_the_flag(fcfs_server, headers,
                                                             body_priority):
     extra = {} if body_priority is None else {"priority": body_priority}
-    with httpx.Client(base_url=fcfs_server.base_url, timeout=60.0) as client:
+    with httpx.Client(base_url=fcfs_server.base_url, timeout=HANG_DEADLINE_S) as client:
         for stream in (False, True):
             response = client.post("/v1/chat/completions", headers=headers,
                                    json=chat_body("Hi", 2, stream=stream, **extra))
@@ -121,7 +123,7 @@ def test_http_fcfs_non_zero_priority_is_400_naming_the_flag(fcfs_server, headers
 def test_http_header_wins_over_body_priority(fcfs_server):
     """Under fcfs only priority 0 is allowed, so the status tells which of
     header and body was used: the header, whichever way round."""
-    with httpx.Client(base_url=fcfs_server.base_url, timeout=60.0) as client:
+    with httpx.Client(base_url=fcfs_server.base_url, timeout=HANG_DEADLINE_S) as client:
         response = client.post("/v1/chat/completions", headers={"X-Priority": "0"},
                                json=chat_body("Hi", 2, priority=3, stream=False))
         assert response.status_code == 200, response.text

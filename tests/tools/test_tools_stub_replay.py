@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from tools_support import STUB_CHUNKS, STUB_ITL, STUB_TTFT
+from tools_support import STUB_CHUNKS, STUB_EVENTS, STUB_ITL, STUB_TTFT
 
 from kvserve.bench.replay import main as replay_main
 from kvserve.bench.replay import run_replay, summarize_all
@@ -25,7 +25,13 @@ def _requests(n: int, spacing: float = 0.05) -> list[TraceRequest]:
                          prompt=f"hello {i}", output_tokens=STUB_CHUNKS) for i in range(n)]
 
 
+def _events_from(mark: int) -> list[tuple[str, str]]:
+    """The stub's events since ``STUB_EVENTS[mark]``, in order, without times."""
+    return [(event, text) for event, text, _ in STUB_EVENTS[mark:]]
+
+
 def test_stub_ttft_itl_match_known_delays(stub_server):
+    mark = len(STUB_EVENTS)
     results, duration = asyncio.run(run_replay(_requests(4), stub_server, progress=False))
     assert len(results) == 4
     expected_e2e = STUB_TTFT + (STUB_CHUNKS - 1) * STUB_ITL
@@ -45,8 +51,10 @@ def test_stub_ttft_itl_match_known_delays(stub_server):
     # the typical request matches the stub's delays within +-TOL
     assert np.median([r.ttft for r in results]) == pytest.approx(STUB_TTFT, abs=TOL)
     assert np.median([g for r in results for g in r.itl]) == pytest.approx(STUB_ITL, abs=TOL)
-    # open loop: the 4 requests overlapped (sequential would take 4 x 0.8 s)
-    assert duration < 2 * (STUB_TTFT + STUB_CHUNKS * STUB_ITL)
+    # open loop: the 4 requests overlapped, by the stub's order of events (no
+    # duration bound, issue 33): a second one arrived before the first was done
+    events = _events_from(mark)
+    assert events.index(("done", events[0][1])) > 1, events
     summary = summarize_all(results, duration)["overall"]
     assert summary["ttft_ms"]["median"] == pytest.approx(STUB_TTFT * 1000, abs=TOL * 1000)
     assert summary["itl_ms"]["n"] == 4 * (STUB_CHUNKS - 1)
@@ -54,16 +62,20 @@ def test_stub_ttft_itl_match_known_delays(stub_server):
 
 
 def test_stub_closed_loop_serializes(stub_server):
-    """--max-concurrency 1 with all arrivals at 0: one request after the other."""
+    """--max-concurrency 1 with all arrivals at 0: one request after the other,
+    by the stub's order of events (each received after the one before was
+    done) and by lower bounds, which a busy machine only makes longer."""
     reqs = [TraceRequest(id=f"c{i}", arrival_s=0.0, prompt="x", output_tokens=2)
             for i in range(3)]
+    mark = len(STUB_EVENTS)
     results, duration = asyncio.run(run_replay(reqs, stub_server, max_concurrency=1,
                                                progress=False))
     assert all(r.success for r in results)
+    assert [event for event, _ in _events_from(mark)] == ["received", "done"] * 3
     one = STUB_TTFT + STUB_ITL
     assert duration >= 3 * one - TOL
     sent = sorted(r.sent_s for r in results)
-    assert one - 0.01 <= sent[1] - sent[0] <= one + SLACK
+    assert sent[1] - sent[0] >= one - 0.01
 
 
 def test_stub_errors_and_goodput_via_cli(stub_server, tmp_path):
@@ -78,7 +90,7 @@ def test_stub_errors_and_goodput_via_cli(stub_server, tmp_path):
     write_trace(trace, reqs, {"arrival": "test"})
     out = tmp_path / "result.json"
     rc = replay_main(["--trace", str(trace), "--base-url", stub_server, "--out", str(out),
-                      "--goodput", "ttft:1000", "tpot:50", "--no-progress", "--quiet"])
+                      "--goodput", "ttft:600000", "tpot:50", "--no-progress", "--quiet"])
     assert rc == 1  # one request failed
     result = json.loads(out.read_text())
     overall = result["summary"]["overall"]
@@ -87,6 +99,7 @@ def test_stub_errors_and_goodput_via_cli(stub_server, tmp_path):
     bad = next(r for r in result["requests"] if r["id"] == "bad")
     assert bad["status"] == 429 and "stub overload" in bad["error"]
     # TPOT ~100 ms > 50 ms SLO: only the non-streamed one-token request is good
+    # (the TTFT SLO, 10 minutes, is met by all: a busy machine cannot fail it)
     assert overall["goodput"]["good_requests"] == 1
     assert set(result["summary"]["by_class"]) == {"short_qa", "rag"}
     prov = result["provenance"]

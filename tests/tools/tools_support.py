@@ -11,10 +11,17 @@ import json
 import threading
 import time
 
+from deadlines import HANG_DEADLINE_S, hang_message
+
 #: The stub's delays: first content chunk after STUB_TTFT s, then one every STUB_ITL s.
 STUB_TTFT = 0.3
 STUB_ITL = 0.1
 STUB_CHUNKS = 6
+#: What the stub saw, in order: ``(event, prompt text, time.perf_counter())``
+#: with event ``received`` (a request's body read) or ``done`` (its last
+#: content chunk written), for tests that check an order of events rather
+#: than a duration.
+STUB_EVENTS: list[tuple[str, str, float]] = []
 
 
 def _stub_app():
@@ -26,6 +33,7 @@ def _stub_app():
     async def chat(request: Request):
         body = await request.json()
         text = json.dumps(body.get("messages", ""))
+        STUB_EVENTS.append(("received", text, time.perf_counter()))
         if "FAIL" in text:
             return JSONResponse({"error": {"message": "stub overload", "type": "overloaded",
                                            "param": None, "code": 429}}, status_code=429)
@@ -47,6 +55,7 @@ def _stub_app():
                 if i:
                     await asyncio.sleep(STUB_ITL)
                 yield chunk({"content": f"w{i} "}, finish="length" if i == n - 1 else None)
+            STUB_EVENTS.append(("done", text, time.perf_counter()))
             if (body.get("stream_options") or {}).get("include_usage"):
                 yield chunk({}, usage={"prompt_tokens": 7, "completion_tokens": n,
                                        "total_tokens": 7 + n}, choices=False)
@@ -81,10 +90,12 @@ class StubServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         self.base_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + HANG_DEADLINE_S
         while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
+            if not self.thread.is_alive():
                 raise RuntimeError("stub server did not start")
+            if time.monotonic() > deadline:
+                raise RuntimeError(hang_message("stub server did not start", HANG_DEADLINE_S))
             time.sleep(0.02)
 
     def stop(self) -> None:
