@@ -33,6 +33,27 @@ MAX_BYTES = 64 * 1024
 NEIGHBOUR_TOKENS = SERVER_MAX_MODEL_LEN - 60
 
 
+async def retry_too_busy(client: httpx.AsyncClient, shots: list, salt: str,
+                         rounds: int = 5) -> list:
+    """A constraint answered 503 ("the server is too busy to compile ...;
+    retry later": its compile, at idle priority, got no CPU within its wall
+    budget on a loaded machine) is sent again, as its message asks, up to
+    ``rounds`` times; the other shots are kept. The 503 is the load's, not
+    the constraint's: the retried shot must then succeed."""
+    from kvserve.testing.hostile import constraint_round, send_constraint
+
+    round_ = {(name, over): fields for name, over, fields
+              in constraint_round(MAX_BYTES, salt, SERVER_MAX_MODEL_LEN)}
+    for _ in range(rounds):
+        busy = [i for i, s in enumerate(shots) if s.status == 503 and not s.over]
+        if not busy:
+            break
+        for i in busy:
+            shots[i] = await send_constraint(client, shots[i].field,
+                                             round_[shots[i].field, False], False)
+    return shots
+
+
 def test_a_neighbour_streams_through_the_largest_and_oversized_constraints(live_server) -> None:
     salt = "".join(random.choices(string.ascii_lowercase, k=6))
     neighbour = Neighbour(max_tokens=NEIGHBOUR_TOKENS)
@@ -57,6 +78,7 @@ def test_a_neighbour_streams_through_the_largest_and_oversized_constraints(live_
             while len(neighbour.arrivals) < 10 and not task.done():
                 await asyncio.sleep(0.05)
             shots = await fire_constraints(client, MAX_BYTES, salt, SERVER_MAX_MODEL_LEN)
+            shots = await retry_too_busy(client, shots, salt)
             done.set()
             await task
             return shots, (await client.get("/health")).status_code

@@ -22,11 +22,20 @@ def engine_loop(default_model_path) -> Iterator[EngineLoop]:
 @pytest.fixture(scope="session")
 def default_engine(engine_loop: EngineLoop) -> EngineHandle:
     """Prefix caching on, default budget, 182 KV blocks."""
-    return engine_loop.get()
+    return engine_loop.get(shared=True)
 
 
 @pytest.fixture(scope="session")
 def no_prefix_engine(engine_loop: EngineLoop) -> EngineHandle:
     """As ``default_engine`` with prefix caching off."""
     return engine_loop.get(cache=CacheConfig(kv_cache_memory=DEFAULT_KV_MEMORY,
-                                             enable_prefix_caching=False))
+                                             enable_prefix_caching=False), shared=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _stop_the_modules_engines() -> Iterator[None]:
+    """After each module, the engines it started through ``engine_loop.get``
+    (all but the two shared ones) stop: the suite's memory stays bounded."""
+    yield
+    for loop in list(EngineLoop.live):
+        loop.release()

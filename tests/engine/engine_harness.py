@@ -222,12 +222,22 @@ class EngineHandle:
 
 
 class EngineLoop:
-    """A private event loop and the engines started on it, one per config."""
+    """A private event loop and the engines started on it, one per config.
+
+    Engines of ``get(..., shared=True)`` live for the session; the others a
+    test module asked for are stopped when it ends (``release``): each holds
+    its own weights and KV cache, and engines kept for the whole session
+    took the suite's process past 14 GiB (issue 33)."""
+
+    #: Every loop alive (the module fixture releases their engines).
+    live: list[EngineLoop] = []
 
     def __init__(self, model_path: str) -> None:
         self.model_path = model_path
         self.loop = asyncio.new_event_loop()
         self.engines: dict[tuple, EngineHandle] = {}
+        self.shared: set[tuple] = set()
+        EngineLoop.live.append(self)
 
     def config(self, cache: CacheConfig | None = None,
                scheduler: SchedulerConfig | None = None) -> EngineConfig:
@@ -244,19 +254,29 @@ class EngineLoop:
         self.loop.run_until_complete(handle.engine.shutdown())
 
     def get(self, cache: CacheConfig | None = None,
-            scheduler: SchedulerConfig | None = None) -> EngineHandle:
-        """The shared engine for this configuration (started on first use)."""
+            scheduler: SchedulerConfig | None = None, shared: bool = False) -> EngineHandle:
+        """The engine for this configuration (started on first use), kept
+        until the test module ends, or for the session when ``shared``."""
         config = self.config(cache, scheduler)
         key = (config.cache, config.scheduler)
         if key not in self.engines:
             self.engines[key] = self.start(config)
+        if shared:
+            self.shared.add(key)
         return self.engines[key]
+
+    def release(self) -> None:
+        """Stop every engine but the shared ones."""
+        for key in [k for k in self.engines if k not in self.shared]:
+            self.stop(self.engines.pop(key))
 
     def close(self) -> None:
         for handle in self.engines.values():
             self.stop(handle)
         self.engines.clear()
         self.loop.close()
+        if self in EngineLoop.live:
+            EngineLoop.live.remove(self)
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
