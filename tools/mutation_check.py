@@ -182,6 +182,15 @@ MUTANTS: tuple[Mutant, ...] = (
              'allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="big")'),),
            ("tests/model/test_structured_masks.py",),
            "structured-output masks read each byte's bits in the wrong order"),
+    Mutant("constraint_child_forked", "constraints/compiler.py",
+           (('    popen = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,',
+             '    return await asyncio.create_subprocess_exec(\n'
+             '        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,\n'
+             '        stderr=asyncio.subprocess.PIPE, limit=limit)\n'
+             '    popen = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,'),),
+           ("tests/model/test_structured_spawn.py",),
+           "the constraint compiler's child is forked by uvloop (OpenBLAS's atfork handler "
+           "deadlocks against a step's matrix product)"),
     Mutant("structured_replay", "constraints/masks.py",
            (("if output_token_ids and not matcher.consume_tokens(",
              "if False and not matcher.consume_tokens("),),
@@ -1006,6 +1015,7 @@ CI_MUTANTS = (
     "fused_kv_slot", "cpu_kv_int8_key_scale", "attention_window_ignored",
     "top_p_drops_crossing_token", "penalty_sign", "structured_bit_order",
     # the serving core's data and policies
+    "constraint_child_forked",
     "block_hash_parent_link", "slot_mapping_offset", "threads_no_dwell",
     "stall_clock_not_restarted", "router_prefix_gap", "disk_checksum_unchecked",
     "tp_allreduce_single_buffer", "pp_micro_batch_takes_every_decode",

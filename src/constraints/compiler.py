@@ -18,7 +18,10 @@ chained rules overflows an 8 MiB stack), so each new constraint goes:
    400; a crash ends only the child (400 too); past ``WALL_FACTOR`` times
    the budget in wall time (a machine too busy to give the child its CPU)
    the child is killed and the request gets a 503 (not cached: retrying
-   later may work). The next constraint starts a new child;
+   later may work). The next constraint starts a new child, spawned
+   without ``fork`` (``spawn_child``: a fork would run OpenBLAS's
+   ``pthread_atfork`` handler, which deadlocks against a step's matrix
+   product in the worker thread and wedged the whole server);
 3. **build in this process**, on one thread of that priority with a large
    stack (llguidance drops the GIL while it builds), of what the trial
    just built within its deadline: the template matcher the worker copies
@@ -36,6 +39,7 @@ import asyncio
 import json
 import os
 import queue
+import subprocess
 import sys
 import threading
 import time
@@ -104,7 +108,7 @@ class ConstraintCompiler:
         eos_token_ids: the tokens that end a sequence.
         config: the limits (``StructuredOutputsConfig``).
         tokenizer: llguidance's tokenizer of this checkpoint, or None: the
-            first compile loads it on the builder thread
+            first compile loads it on a thread of normal priority
             (``grammar.load_tokenizer``, which holds the GIL for ~0.5 s once,
             a pause the other requests' streams see; the engine accepts it
             so that a server that never sees a constraint never loads
@@ -196,6 +200,8 @@ class ConstraintCompiler:
             from kvserve.constraints.grammar import GrammarError
 
             try:
+                if self._tokenizer is None:  # at normal priority: it holds the GIL
+                    self._tokenizer = await asyncio.to_thread(self._load_tokenizer)
                 template = await asyncio.wrap_future(self._builder.submit(
                     self._build, answer["grammar"]))
                 entry = CompiledConstraint(template, float(answer["seconds"]))
@@ -212,12 +218,21 @@ class ConstraintCompiler:
         self._cache.put(params, entry)
         return _Entry(entry)
 
-    def _build(self, grammar: str) -> Any:
-        """On the builder thread: the template matcher of ``grammar``."""
-        from kvserve.constraints.grammar import build_matcher, load_tokenizer
+    def _load_tokenizer(self) -> Any:
+        """llguidance's tokenizer (``grammar.load_tokenizer``), on a thread of
+        normal priority: it holds the GIL for ~0.5 s, and on the builder
+        thread (``SCHED_IDLE``) a machine whose cores other processes keep
+        busy would leave it unscheduled that long while holding the GIL, and
+        the event loop with it."""
+        from kvserve.constraints.grammar import load_tokenizer
 
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(*self._tokenizer_args)
+        return load_tokenizer(*self._tokenizer_args)
+
+    def _build(self, grammar: str) -> Any:
+        """On the builder thread: the template matcher of ``grammar``
+        (llguidance drops the GIL while it builds)."""
+        from kvserve.constraints.grammar import build_matcher
+
         return build_matcher(self._tokenizer, grammar)
 
     async def close(self) -> None:
@@ -337,13 +352,81 @@ class _ChildCrashed(Exception):
     """The child died while compiling; the message says how."""
 
 
+class SpawnedChild:
+    """A child process started by ``spawn_child``, its pipes as asyncio streams.
+
+    Attributes:
+        popen: the ``subprocess.Popen``.
+        stdin: an ``asyncio.StreamWriter`` on the child's standard input.
+        stdout, stderr: ``asyncio.StreamReader``s (``stdout``'s line limit
+            is the ``limit`` given to ``spawn_child``).
+    """
+
+    def __init__(self, popen: subprocess.Popen, stdin: asyncio.StreamWriter,
+                 stdout: asyncio.StreamReader, stderr: asyncio.StreamReader) -> None:
+        self.popen, self.stdin, self.stdout, self.stderr = popen, stdin, stdout, stderr
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status (negative: the signal), None while it runs."""
+        return self.popen.poll()
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    async def wait(self) -> int:
+        """Wait for the exit (off the loop) and close the pipes."""
+        code = await asyncio.to_thread(self.popen.wait)
+        self.stdin.close()
+        return code
+
+
+async def spawn_child(argv: Sequence[str], limit: int) -> SpawnedChild:
+    """Start ``argv`` with pipes on its standard streams, without ``fork``.
+
+    uvloop's ``create_subprocess_exec`` forks (libuv's ``uv_spawn``), and a
+    fork runs every ``pthread_atfork`` handler in the forking thread first:
+    OpenBLAS's (``blas_thread_shutdown_``) waits for its worker threads,
+    which a step's matrix product in the worker thread holds, so a
+    constrained request that arrived during a step wedged the event loop
+    for good (seen in ``tools/soak.py``: the main thread in
+    ``blas_thread_shutdown_``, the worker in a ``matmul``). CPython's
+    ``subprocess.Popen`` starts the child with ``vfork`` (or
+    ``posix_spawn``) on Linux, which runs no atfork handler; the pipes then
+    join the running loop.
+
+    Raises:
+        OSError: the program could not be started.
+    """
+    popen = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, bufsize=0)
+    loop = asyncio.get_running_loop()
+    try:
+        stdout = asyncio.StreamReader(limit=limit)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout), popen.stdout)
+        stderr = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stderr), popen.stderr)
+        transport, protocol = await loop.connect_write_pipe(
+            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), popen.stdin)
+    except BaseException:
+        popen.kill()
+        await asyncio.to_thread(popen.wait)
+        raise
+    return SpawnedChild(popen, asyncio.StreamWriter(transport, protocol, None, loop),
+                        stdout, stderr)
+
+
 class _ChildProcess:
     """The compiler child (``compile_worker``): started on first use, asked
     one request at a time, killed at a deadline, started again after."""
 
     def __init__(self, argv: list[str]) -> None:
         self.argv = argv
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: SpawnedChild | None = None
         self._stderr: _Tail | None = None
 
     async def ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -367,11 +450,9 @@ class _ChildProcess:
             await self._kill()
         return answer
 
-    async def _start(self) -> asyncio.subprocess.Process:
+    async def _start(self) -> SpawnedChild:
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, limit=MAX_ANSWER_BYTES)
+            proc = await spawn_child(self.argv, MAX_ANSWER_BYTES)
         except OSError as exc:
             raise _ChildStartFailed(str(exc)) from exc
         self._stderr = _Tail(proc.stderr)
@@ -387,7 +468,7 @@ class _ChildProcess:
         self.proc = proc
         return proc
 
-    def _exit_reason(self, proc: asyncio.subprocess.Process) -> str:
+    def _exit_reason(self, proc: SpawnedChild) -> str:
         code = proc.returncode
         if code is None:
             how = "no answer"
