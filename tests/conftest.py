@@ -15,6 +15,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest
 
+from folder_scope import FolderScoped  # noqa: E402
 from gemma_fixture import gemma_model_path  # noqa: E402,F401  (a fixture)
 
 from kvserve.thread_env import apply_thread_pool_env  # noqa: E402
@@ -92,6 +93,23 @@ def pytest_report_header(config) -> str:
     return f"golden: {len(cases)} cases"
 
 
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test's own teardown: stop the engines and servers of a folder
+    the run is leaving (``folder_scope``). The innermost wrapper, so that the
+    output capture still holds what the stopping engines log."""
+    yield
+    FolderScoped.leave(item.path, nextitem.path if nextitem is not None else None)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _stop_folder_resources_at_the_end():
+    """Whatever a folder still runs when the session ends (an interrupted
+    run) stops too."""
+    yield
+    FolderScoped.stop_all()
+
+
 def _release_freed_memory_to_the_os() -> None:
     """glibc's malloc raises its mmap threshold each time a large block is
     freed, so after an engine shuts down the next engine's arrays of a few
@@ -114,9 +132,14 @@ _release_freed_memory_to_the_os()
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _trim_after_each_module():
-    """Return the memory a module's engines freed to the OS (glibc)."""
+def _trim_after_each_module(request):
+    """Return the memory a module's engines freed to the OS (glibc), and
+    remember the module that raised the process's peak the most."""
+    before = peak_rss_bytes()[0]
     yield
+    raised = peak_rss_bytes()[0] - before
+    if raised > 0 and raised >= _PEAK_MODULE.get("raised", 0):
+        _PEAK_MODULE.update(raised=raised, module=request.node.nodeid)
     import ctypes
     import ctypes.util
     import gc
@@ -126,6 +149,10 @@ def _trim_after_each_module():
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+#: The module whose run raised the pytest process's peak RSS the most.
+_PEAK_MODULE: dict = {}
 
 
 #: The suite's memory bound (issue 33): the pytest process must peak below
@@ -151,9 +178,11 @@ def peak_rss_bytes() -> tuple[int, int]:
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """The peak memory line of the run."""
     own, child = peak_rss_bytes()
+    raised = (f"; {_PEAK_MODULE['module']} raised it most (+{_PEAK_MODULE['raised'] / 2**20:,.0f}"
+              " MiB)" if _PEAK_MODULE else "")
     terminalreporter.write_line(f"peak RSS: pytest {own / 2**20:,.0f} MiB (bound "
                                 f"{MAX_RSS_BYTES / 2**20:,.0f} MiB), largest child "
-                                f"{child / 2**20:,.0f} MiB")
+                                f"{child / 2**20:,.0f} MiB{raised}")
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

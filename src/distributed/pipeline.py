@@ -321,16 +321,6 @@ class PipelineExecutor:
                     message=f"Pipeline stage {stage}: its {self.tp} TP workers run again")
         self.down = self.down - {stage}
 
-    def busy_seconds(self) -> list[float]:
-        """Each stage's forward seconds so far (rank 0's ``info``); NaN for a stage down."""
-        out = []
-        for ref in [stage[0].info.remote() for stage in self.workers]:
-            try:
-                out.append(float(self._ray.get(ref, timeout=PING_SECONDS)["busy_seconds"]))
-            except Exception:  # noqa: BLE001
-                out.append(float("nan"))
-        return out
-
     def shutdown(self) -> None:
         """Stop the watcher and the workers; remove the all-reduce segments."""
         self._stop.set()

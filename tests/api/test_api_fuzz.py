@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from fake_engine import FakeEngine
 from fuzz_bodies import bodies
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +20,7 @@ _client = TestClient(build_app(FakeEngine(), ServerConfig(max_request_bytes=1 <<
                      raise_server_exceptions=False)
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(case=bodies())

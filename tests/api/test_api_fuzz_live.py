@@ -90,6 +90,7 @@ def load(client: httpx.Client) -> tuple[float, float]:
                  for name in ("running", "waiting"))
 
 
+@pytest.mark.slow
 def test_fuzzed_bodies_against_real_engine(live: LiveServer) -> None:
     with httpx.Client(base_url=live.base_url, timeout=httpx.Timeout(HANG_DEADLINE_S, connect=60.0)) as c:
         before = greedy_text(c)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 
@@ -60,6 +61,7 @@ def _serve(ops, config, weights, prompts, max_tokens):
     return requests, serve(runner, scheduler, requests)
 
 
+@pytest.mark.slow
 def test_tiny_gemma_on_simulated_cuda_equals_cpu(tmp_path):
     config, weights = _tiny_gemma(tmp_path)
     assert config.sliding_window == WINDOW

@@ -53,6 +53,7 @@ def int8_case(rows, k, seed=0):
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{b[0]}x{b[1]}" for b in BLOCKS])
 @pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.slow
 def test_int8_gemv_kernel_exact_at_every_block_shape(block, rows, warp_reduction):
     x, wq, scales, bias, ref = int8_case(rows, k=72)  # 18 words: several strides
     out = np.full((rows, N_OUT), np.nan, np.float32)
@@ -83,6 +84,7 @@ def w8a8_case(rows, k, seed=1):
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{b[0]}x{b[1]}" for b in BLOCKS])
 @pytest.mark.parametrize("k", [256, 72])  # four groups of 64; one group of 72
+@pytest.mark.slow
 def test_w8a8_gemv_kernel_exact_at_every_block_shape(block, k, warp_reduction):
     rows = kernels.GEMV_MAX_ROWS if block[0] in (2, 16) else 3
     xq, x_scales, group, wq, scales, bias, ref = w8a8_case(rows, k)

@@ -484,6 +484,7 @@ _PTX_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_int8_kernels_compile_to_ptx():
     """The simulator types nothing: Numba's CUDA target (NVVM, no GPU) must
     accept the int8 kernels with the argument types ``CudaOps`` passes, and

@@ -95,6 +95,7 @@ def _w8a8_logits(ops, config, weights, tokens):
                      rng=np.random.default_rng(2))[0]
 
 
+@pytest.mark.slow
 def test_tiny_llama_w8a8_on_simulated_cuda_equals_cpu(tmp_path):
     # One layer of the spec with q/k/v biases: each GEMV launch costs ~0.4 s
     # under the simulator, and one layer has all four quantized products.

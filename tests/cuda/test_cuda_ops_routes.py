@@ -140,6 +140,7 @@ INT8_ROWS = [1, 3, kernels.GEMV_MAX_ROWS, kernels.GEMV_MAX_ROWS + 1, 21]
 
 @pytest.mark.parametrize("rows", INT8_ROWS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.slow
 def test_linear_int8_exact_on_integer_activations(rows, dtype):
     ops = make_ops(dtype)
     x, wq, scales, acc = int8_problem(rows)

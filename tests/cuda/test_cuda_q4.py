@@ -120,6 +120,7 @@ def test_blocks_read_as_gguf_dequantizes_them(ggml_type, k):
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.slow
 def test_linear_q4_within_float32_rounding_of_reference(ggml_type, k, rows, dtype,
                                                          warp_reduction, monkeypatch):
     if rows > kernels.GEMV_MAX_ROWS:  # the panel path (no warp reduction: both params run it)
@@ -220,6 +221,7 @@ def _serve_greedy(config, model, ops, prompts, max_tokens):
     return requests, serve(runner, scheduler, requests)
 
 
+@pytest.mark.slow
 def test_tiny_q4_model_on_simulated_cuda_equals_cpu_greedy_and_reference(tmp_path):
     """One layer, a 128-token vocabulary (each GEMV launch costs ~0.5 s under
     the simulator); tied: the Q8_0 table is the embedding and the LM head.
@@ -239,6 +241,7 @@ def test_tiny_q4_model_on_simulated_cuda_equals_cpu_greedy_and_reference(tmp_pat
     assert tokens["cuda"] == tokens["cpu"]
 
 
+@pytest.mark.slow
 def test_tiny_q4_model_logits_on_simulated_cuda_equal_cpu(tmp_path):
     """A prefill chunk of GEMV_MAX_ROWS + 2 tokens (the panel path) and a
     decode step (the GEMV kernels), one layer of the spec with q/k/v biases

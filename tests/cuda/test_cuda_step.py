@@ -154,6 +154,7 @@ def test_a_group_larger_than_the_fused_kernels_takes_the_three_ops() -> None:
     assert ops.counters.launches == 2 + 1 + 2  # RoPE of q and k, the KV write, split-K decode
 
 
+@pytest.mark.slow
 def test_decode_graph_buckets_pad_and_replay_the_eager_tokens(tmp_path):
     """The CUDA-graph path's buckets and padding (``kvserve.cuda.graphs``),
     with ``EagerReplay`` standing in for the capture the simulator cannot

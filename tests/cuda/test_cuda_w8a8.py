@@ -161,6 +161,7 @@ def check_rounding_bound(out, x, wq, scales, bias, dtype):
     (GEMV_ROWS[0], True), (GEMV_ROWS[1], False), (TILED_ROWS[0], True), (TILED_ROWS[1], False)])
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.slow
 def test_linear_w8a8_within_float32_rounding_of_reference(rows, with_bias, k, dtype):
     ops = make_ops(dtype)
     x, wq, scales = problem(rows, k, dtype)

@@ -494,6 +494,7 @@ def _nvvm_available() -> bool:
                           timeout=120).returncode == 0
 
 
+@pytest.mark.slow
 def test_the_attention_and_activation_kernels_compile_to_ptx():
     """The simulator types nothing: Numba's CUDA target (NVVM, no GPU needed)
     must accept the kernels with the argument types ``CudaOps`` passes."""

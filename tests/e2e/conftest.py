@@ -1,7 +1,8 @@
 """Fixtures of the end-to-end (acceptance) tests.
 
-One in-process engine and one live HTTP server for the whole e2e session
-(each is started lazily, by the first test that needs it), so the suite stays
+One in-process engine and one live HTTP server for the folder (each is
+started by the first test that needs it and stopped when the run leaves
+the folder), so the suite stays
 fast on a 2-core machine. Both use ``logprobs_mode=raw_logits`` so logprob
 entries are logits, comparable with ``shared/golden``.
 """
@@ -14,22 +15,29 @@ import httpx
 import pytest
 from deadlines import HANG_DEADLINE_S
 from e2e_support import SERVER_MAX_MODEL_LEN, EngineThread, LiveServer
+from folder_scope import FolderScoped, folder_resource
 
 from kvserve.config import CacheConfig, EngineConfig
+
+HERE = Path(__file__).parent
 
 #: KV cache of the in-process engine (364 blocks of 16 tokens).
 ENGINE_KV_BYTES = 256 * 1024**2
 
 
 @pytest.fixture(scope="session")
-def e2e_engine(default_model_path: Path):
-    """The shared in-process ``AsyncEngine`` (on its own event-loop thread)."""
+def _e2e_engines(default_model_path: Path):
     config = EngineConfig(model=str(default_model_path),
                           cache=CacheConfig(kv_cache_memory=ENGINE_KV_BYTES),
                           logprobs_mode="raw_logits")
-    handle = EngineThread(config)
-    yield handle
-    handle.close()
+    yield from folder_resource(HERE, lambda: EngineThread(config), EngineThread.close)
+
+
+@pytest.fixture(scope="module")
+def e2e_engine(_e2e_engines: FolderScoped[EngineThread]) -> EngineThread:
+    """The folder's in-process ``AsyncEngine`` (on its own event-loop thread),
+    stopped when the run leaves the folder."""
+    return _e2e_engines.get()
 
 
 @pytest.fixture(scope="session")
@@ -41,19 +49,21 @@ def e2e_tokenizer(default_model_path: Path):
 
 
 @pytest.fixture(scope="session")
-def _live_server_session(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
-    server = LiveServer(default_model_path, tmp_path_factory.mktemp("kvserve-server"),
-                        extra_args=["--max-model-len", str(SERVER_MAX_MODEL_LEN)])
-    yield server
-    server.stop()
+def _live_servers(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    yield from folder_resource(
+        HERE, lambda: LiveServer(default_model_path, tmp_path_factory.mktemp("kvserve-server"),
+                                 extra_args=["--max-model-len", str(SERVER_MAX_MODEL_LEN)]),
+        LiveServer.stop)
 
 
 @pytest.fixture
-def live_server(_live_server_session: LiveServer) -> LiveServer:
-    """The shared ``kvserve serve`` subprocess; checked alive before and after each test."""
-    _live_server_session.assert_alive()
-    yield _live_server_session
-    _live_server_session.assert_alive()
+def live_server(_live_servers: FolderScoped[LiveServer]) -> LiveServer:
+    """The folder's ``kvserve serve`` subprocess (stopped when the run leaves
+    the folder); checked alive before and after each test."""
+    server = _live_servers.get()
+    server.assert_alive()
+    yield server
+    server.assert_alive()
 
 
 @pytest.fixture

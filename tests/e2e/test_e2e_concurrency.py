@@ -85,6 +85,7 @@ def _check_same(alone, together) -> None:
             assert got.finish_reason == ref.finish_reason, got.request_id
 
 
+@pytest.mark.slow
 def test_16_concurrent_equal_alone(e2e_engine, alone) -> None:
     async def all_at_once():
         return await asyncio.gather(*(collect(e2e_engine.engine, r)
@@ -110,6 +111,7 @@ def tight_engine(default_model_path: Path):
     handle.close()
 
 
+@pytest.mark.slow
 def test_16_concurrent_staggered_tight_engine_equal_alone(tight_engine, alone) -> None:
     async def staggered():
         tasks = []

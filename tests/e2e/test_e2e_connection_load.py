@@ -54,6 +54,7 @@ def address(live_server) -> tuple[str, int]:
     return url.hostname, url.port
 
 
+@pytest.mark.slow
 def test_1000_idle_connections_neither_block_health_nor_stay_open(live_server) -> None:
     baseline = server_fds(live_server)
     socks = [socket.create_connection(address(live_server), timeout=DEADLINE_S)
@@ -137,6 +138,7 @@ async def storm(base_url: str) -> list[str]:
         return await asyncio.gather(*(one_stream(client, i) for i in range(STREAMS)))
 
 
+@pytest.mark.slow
 def test_300_concurrent_streams_twice(live_server) -> None:
     baseline = server_fds(live_server)
     for round_ in range(2):

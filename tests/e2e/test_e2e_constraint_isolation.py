@@ -54,6 +54,7 @@ async def retry_too_busy(client: httpx.AsyncClient, shots: list, salt: str,
     return shots
 
 
+@pytest.mark.slow
 def test_a_neighbour_streams_through_the_largest_and_oversized_constraints(live_server) -> None:
     salt = "".join(random.choices(string.ascii_lowercase, k=6))
     neighbour = Neighbour(max_tokens=NEIGHBOUR_TOKENS)

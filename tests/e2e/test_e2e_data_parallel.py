@@ -24,7 +24,8 @@ from e2e_support import GOLDEN, SERVER_MAX_MODEL_LEN, LiveServer, first_divergen
 
 from kvserve.observability.metrics import parse_metrics_text
 
-pytestmark = pytest.mark.model
+# slow: the module's shared engine or servers take most of its time (make test-slow).
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 SYSTEM = ("You are a meticulous assistant for a library. Answer questions about books, "
           "authors and opening hours briefly, politely and only with facts you are sure of. "

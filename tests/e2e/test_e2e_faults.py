@@ -61,6 +61,7 @@ def faulty_engine(default_model_path: Path):
     handle.close()
 
 
+@pytest.mark.slow
 def test_faults_in_one_step_of_ten_fail_only_their_requests(e2e_engine, faulty_engine) -> None:
     reference = {g.request_id.split("-")[1]: g for g in e2e_engine.run(run_all(e2e_engine.engine,
                                                                                 "ref"))}
@@ -90,6 +91,7 @@ def test_faults_in_one_step_of_ten_fail_only_their_requests(e2e_engine, faulty_e
 
 
 @pytest.mark.parametrize("actor", ["scheduler", "detokenizer", "worker"])
+@pytest.mark.slow
 def test_an_actor_that_dies_fails_open_requests_and_health(default_model_path: Path,
                                                            actor: str) -> None:
     handle = EngineThread(engine_config(

@@ -30,7 +30,8 @@ from test_e2e_data_parallel import assert_golden_as_one_engine
 
 from kvserve.observability.metrics import parse_metrics_text
 
-pytestmark = pytest.mark.model
+# slow: the module's shared engine or servers take most of its time (make test-slow).
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,7 @@ def aclient(live_server):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.slow
 def test_json_schema_outputs_validate_on_20_schemas(aclient, stream: bool) -> None:
     async def all_schemas():
         jobs = [ask(aclient, name, schema, stream=stream, sampled=sampled)
@@ -69,6 +70,7 @@ def test_json_schema_outputs_validate_on_20_schemas(aclient, stream: bool) -> No
         jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.slow
 def test_json_object_output_parses(http) -> None:
     for temperature in (0.0, 0.8):
         response = http.post("/v1/chat/completions", json={

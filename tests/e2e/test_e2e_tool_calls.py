@@ -67,6 +67,7 @@ def calls_of(client, stream: bool, **kwargs) -> tuple[list[tuple[str, dict]], st
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("choice", ["required", "get_time"])
+@pytest.mark.slow
 def test_forced_tool_calls_always_parse_and_validate(client, stream, temperature, choice):
     tool_choice = choice if choice == "required" else {"type": "function",
                                                        "function": {"name": choice}}
@@ -81,6 +82,7 @@ def test_forced_tool_calls_always_parse_and_validate(client, stream, temperature
             jsonschema.validate(arguments, SCHEMAS[name])
 
 
+@pytest.mark.slow
 def test_a_forced_answer_cut_by_max_tokens_has_no_content(client) -> None:
     """``required`` lets the model call each tool; at 64 tokens its second
     call is cut off: the first comes back as a call, the cut one is dropped

@@ -224,10 +224,11 @@ class EngineHandle:
 class EngineLoop:
     """A private event loop and the engines started on it, one per config.
 
-    Engines of ``get(..., shared=True)`` live for the session; the others a
-    test module asked for are stopped when it ends (``release``): each holds
-    its own weights and KV cache, and engines kept for the whole session
-    took the suite's process past 14 GiB (issue 33)."""
+    Engines of ``get(..., shared=True)`` live until the loop closes (when
+    the run leaves the folder: ``folder_scope``); the others a test module
+    asked for are stopped when it ends (``release``): each holds its own
+    weights and KV cache, and engines kept for the whole session took the
+    suite's process past 14 GiB (issue 33)."""
 
     #: Every loop alive (the module fixture releases their engines).
     live: list[EngineLoop] = []
@@ -256,7 +257,7 @@ class EngineLoop:
     def get(self, cache: CacheConfig | None = None,
             scheduler: SchedulerConfig | None = None, shared: bool = False) -> EngineHandle:
         """The engine for this configuration (started on first use), kept
-        until the test module ends, or for the session when ``shared``."""
+        until the test module ends, or until the loop closes when ``shared``."""
         config = self.config(cache, scheduler)
         key = (config.cache, config.scheduler)
         if key not in self.engines:

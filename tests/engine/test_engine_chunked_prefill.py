@@ -98,6 +98,7 @@ def budget16_engine(engine_loop):
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_budget_16_output_equals_unchunked(budget16_engine, default_engine):
     text = TEXTS["chunked"] * 2
     long_prompt = budget16_engine.encode(text)[:LONG]

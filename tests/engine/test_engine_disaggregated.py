@@ -36,6 +36,7 @@ def disaggregated(prefill, decode, prompt, max_tokens=MAX_TOKENS):
     return prefill.run(go())
 
 
+@pytest.mark.slow
 def test_disaggregated_output_equals_aggregated_and_frees_both_sides(
         default_engine, decode_engine, no_prefix_engine):
     prompt = default_engine.encode("Disaggregated. " + TEXTS["long_prefix"])

@@ -83,6 +83,7 @@ def long_disk_cache(path) -> CacheConfig:
                        kv_offloading_disk_size=2 * LONG_CACHE_BLOCKS * BLOCK_BYTES / 2**30)
 
 
+@pytest.mark.slow
 def test_a_2000_token_prefix_survives_a_restart_and_a_corrupt_file_is_skipped(engine_loop,
                                                                                tmp_path):
     """Issue 31's acceptance: a server computes a 2,000-token prompt; one of

@@ -34,6 +34,7 @@ def prompts(engine):
     return prefix, evictor
 
 
+@pytest.mark.slow
 def test_evicted_prefix_is_loaded_from_the_tier_with_the_same_output(offload_engine,
                                                                      no_prefix_engine):
     prefix, evictor = prompts(offload_engine)

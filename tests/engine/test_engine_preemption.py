@@ -32,6 +32,7 @@ def make_prompts(engine):
     return prompts
 
 
+@pytest.mark.slow
 def test_small_cache_preempts_without_changing_outputs(engine_loop, default_engine):
     params = greedy(MAX_TOKENS, ignore_eos=True)
     prompts = make_prompts(default_engine)

@@ -69,6 +69,7 @@ def test_repeated_prompts_same_output_and_cached_tokens(default_engine, no_prefi
     no_prefix_engine.assert_all_blocks_free()
 
 
+@pytest.mark.slow
 def test_shared_long_prefix_different_suffixes(default_engine, no_prefix_engine):
     prefix = default_engine.encode(TEXTS["long_prefix"])
     assert len(prefix) >= 200

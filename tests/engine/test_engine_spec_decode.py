@@ -52,6 +52,7 @@ def spec_metric(engine, name: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
+@pytest.mark.slow
 def test_golden_and_repetitive_prompts_equal_plain_decoding(default_engine, spec_engine):
     cases = golden_cases()
     assert cases, "the golden cases are required"
@@ -81,10 +82,12 @@ def assert_batched_equals_alone(engine, reference) -> None:
     engine.assert_all_blocks_free()
 
 
+@pytest.mark.slow
 def test_batched_with_requests_that_do_not_speculate(default_engine, spec_engine):
     assert_batched_equals_alone(spec_engine, default_engine.reference_tokens)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_preemption_in_between(default_engine, tight_spec_engine):
     prompts = repetitive_prompts(tight_spec_engine) * 3  # about 36 blocks at the end
     params = greedy(MAX_TOKENS, ignore_eos=True)
@@ -97,6 +100,7 @@ def test_chunked_prefill_and_preemption_in_between(default_engine, tight_spec_en
     tight_spec_engine.assert_all_blocks_free()
 
 
+@pytest.mark.slow
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(default_engine,
                                                                            spec_engine):
     """One uniform per emitted token: a seeded request samples as without speculation."""

@@ -22,7 +22,8 @@ from engine_harness import BLOCK_BYTES, greedy
 from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.model
+# slow: the module's shared engine or servers take most of its time (make test-slow).
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
 def draft_spec(model_path: str) -> SpeculativeConfig:

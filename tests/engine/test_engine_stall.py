@@ -37,6 +37,7 @@ def slow_engine(engine_loop) -> EngineHandle:
     engine_loop.stop(handle)
 
 
+@pytest.mark.slow
 def test_health_is_503_while_no_step_finishes_and_200_after(slow_engine: EngineHandle) -> None:
     engine = slow_engine.engine
     app = build_app(engine, ServerConfig(),

@@ -103,11 +103,13 @@ def test_prompt_token_ids_are_the_references(gemma_model_path):
             case["prompt_token_ids"]  # BOS added, as the GGUF says (completions do too)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_equal_the_reference(gemma_model_path):
     cases = _golden()
     assert _check(cases, _run(gemma_model_path, "none", cases)) == 0
 
 
+@pytest.mark.slow
 def test_q4_blocks_give_the_reference_tokens(gemma_model_path):
     """``--quantization q4``: the Q8_0 tensors as shipped, the others (Q5_0,
     Q4_K, Q6_K) requantized to Q8_0. Against the float run, the top token's
@@ -120,6 +122,7 @@ def test_q4_blocks_give_the_reference_tokens(gemma_model_path):
     _check(cases, _run(gemma_model_path, "q4", cases), reference_margin=0.15)
 
 
+@pytest.mark.slow
 def test_the_shipped_gemma3_chat_template_renders_gemma_turns(gemma_model_path):
     """``--chat-template docs/chat_templates/gemma3.jinja``: the turn format of
     the Gemma 3 model card, written out by hand here."""

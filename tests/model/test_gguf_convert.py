@@ -330,6 +330,7 @@ def test_real_gemma_checkpoint(gemma_model_path: Path) -> None:  # noqa: F811
 
 
 @pytest.mark.gemma
+@pytest.mark.slow
 def test_real_gemma_q4_blocks(gemma_model_path: Path) -> None:  # noqa: F811
     from kvserve.model.gguf_convert import read_metadata
 

@@ -15,7 +15,8 @@ from golden import golden_cases
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.testing.quality import agreement, perplexity, start_engine
 
-pytestmark = pytest.mark.model
+# slow: the module's shared engine or servers take most of its time (make test-slow).
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "public_domain_en.txt"
 PPL_BOUND = {"int8": 0.03, "w8a8": 0.06, "q4": 0.03}

@@ -139,6 +139,7 @@ def test_reference_filters_on_known_cases():
 
 
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
+@pytest.mark.slow
 def test_temperature_frequencies_match_scaled_softmax(temperature):
     tokens = draw(LOGITS6, 20_000, temperature=temperature)
     assert_frequencies(tokens, ref_softmax(LOGITS6 / temperature))
@@ -165,6 +166,7 @@ def test_top_k_disabled_or_vocab_sized_keeps_all(top_k):
     (0.79, {0, 1}),
     (0.85, {0, 1, 2}),  # 0.8 < 0.85: token 2 crosses and stays
 ])
+@pytest.mark.slow
 def test_top_p_keeps_token_crossing_threshold(top_p, kept):
     logits = np.log([0.5, 0.3, 0.2])
     assert expected_support(ref_distribution(logits, top_p=top_p)) == kept
@@ -195,6 +197,7 @@ def test_top_k_applies_before_top_p():
     assert support(draw(logits, 2000, top_k=2, top_p=0.5)) == {0}
 
 
+@pytest.mark.slow
 def test_combined_chain_chi_square():
     """20,000 draws through all warpers match the reference by chi-square."""
     logits = np.array([2.0, 1.6, 1.3, 1.0, 0.4, -0.3, -1.0, -3.0])

@@ -73,6 +73,7 @@ def test_greedy_keeps_drafts_while_they_are_the_argmax():
 
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 0), (1.3, 3)])
+@pytest.mark.slow
 def test_sampled_verification_emits_the_target_distribution(temperature, top_k):
     params = SamplingParams(temperature=temperature, top_k=top_k)
     s = state(params, seed=1234)
@@ -105,6 +106,7 @@ DRAFT_Q = np.array([[0.30, 0.40, 0.10, 0.10, 0.10],
 
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 0), (1.3, 3)])
+@pytest.mark.slow
 def test_rejection_sampling_emits_the_target_distribution(temperature, top_k):
     params = SamplingParams(temperature=temperature, top_k=top_k)
     s = state(params, seed=4321)

@@ -148,6 +148,7 @@ def _table(report: str, heading: str) -> list[dict[str, str]]:
 # ----------------------------------------------------------- the run itself
 
 
+@pytest.mark.slow
 def test_the_run_preempted_and_hit_the_prefix_cache(run: Run):
     """The scenario happened as designed (else the checks below prove little)."""
     finished = _finished(run)

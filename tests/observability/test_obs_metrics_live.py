@@ -102,6 +102,7 @@ def wait_for_stats_line(server: LiveServer, timeout: float = HANG_DEADLINE_S) ->
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_metrics_after_streamed_requests(server, run):
     before, after, ids, client_ttfts = run
 

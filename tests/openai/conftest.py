@@ -18,6 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 
 from e2e_support import LiveServer  # noqa: E402
+from folder_scope import FolderScoped, folder_resource  # noqa: E402
 
 API_KEY = "test-key-5"
 MAX_MODEL_LEN = 512
@@ -26,14 +27,21 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="session")
-def openai_server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
-    server = LiveServer(default_model_path, tmp_path_factory.mktemp("kvserve-openai"),
-                        extra_args=["--max-model-len", str(MAX_MODEL_LEN),
-                                    "--logprobs-mode", "processed_logprobs",
-                                    "--api-key", API_KEY,
-                                    "--max-request-bytes", str(MAX_REQUEST_BYTES)])
-    yield server
-    server.stop()
+def _openai_servers(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    yield from folder_resource(
+        Path(__file__).parent,
+        lambda: LiveServer(default_model_path, tmp_path_factory.mktemp("kvserve-openai"),
+                           extra_args=["--max-model-len", str(MAX_MODEL_LEN),
+                                       "--logprobs-mode", "processed_logprobs",
+                                       "--api-key", API_KEY,
+                                       "--max-request-bytes", str(MAX_REQUEST_BYTES)]),
+        LiveServer.stop)
+
+
+@pytest.fixture
+def openai_server(_openai_servers: FolderScoped[LiveServer]) -> LiveServer:
+    """The folder's live server (stopped when the run leaves the folder)."""
+    return _openai_servers.get()
 
 
 @pytest.fixture

@@ -59,6 +59,7 @@ def test_best_of_is_refused(oai) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.slow
 def test_named_tool_choice_finishes_with_stop(oai, stream) -> None:
     kwargs = dict(model=MODEL, messages=ASK, tools=[CLOCK, DICE], max_tokens=60,
                   temperature=0, tool_choice={"type": "function",

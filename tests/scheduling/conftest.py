@@ -21,13 +21,17 @@ for _folder in (_TESTS / "engine", _TESTS / "e2e"):
         sys.path.insert(0, str(_folder))
 
 from engine_harness import EngineLoop  # noqa: E402
+from folder_scope import FolderScoped, folder_resource  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def sched_loop(default_model_path) -> Iterator[EngineLoop]:
-    """In-process engines (one per configuration) on one private event loop."""
-    loops = EngineLoop(str(default_model_path))
-    try:
-        yield loops
-    finally:
-        loops.close()
+def _sched_loops(default_model_path) -> Iterator[FolderScoped[EngineLoop]]:
+    yield from folder_resource(Path(__file__).parent,
+                               lambda: EngineLoop(str(default_model_path)), EngineLoop.close)
+
+
+@pytest.fixture(scope="module")
+def sched_loop(_sched_loops: FolderScoped[EngineLoop]) -> EngineLoop:
+    """In-process engines (one per configuration) on one private event loop,
+    stopped when the run leaves the folder."""
+    return _sched_loops.get()

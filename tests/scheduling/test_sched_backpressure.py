@@ -32,6 +32,7 @@ def limited_server(default_model_path, tmp_path_factory):
     server.stop()
 
 
+@pytest.mark.slow
 def test_http_beyond_waiting_limit_429_with_retry_after_accepted_complete(limited_server):
     async def go():
         async with httpx.AsyncClient(base_url=limited_server.base_url,
@@ -90,6 +91,7 @@ async def _with_one_running(handle, tag, then):
     return long, result
 
 
+@pytest.mark.slow
 def test_waiting_tokens_limit_429_names_the_flag(sched_loop):
     handle = sched_loop.get(scheduler=LIMITED)
     prompt = handle.encode(PROMPT * 20)[:200]  # 200 prompt tokens; limit 300

@@ -69,6 +69,7 @@ async def _load_then_sigterm(server: LiveServer):
         return records, health, late, late_stream, still_running
 
 
+@pytest.mark.slow
 def test_sigterm_under_load_completes_accepted_refuses_new_exits_zero(drain_server):
     records, health, late, late_stream, still_running = asyncio.run(
         _load_then_sigterm(drain_server))

@@ -65,6 +65,7 @@ def _check_all_complete(records):
                                     else SHORT_TOKENS), r
 
 
+@pytest.mark.slow
 def test_priority_zero_finishes_before_every_waiting_low_priority(priority_engine):
     long, lows, urgent, preemptions = priority_engine.run(
         _urgent_after_queue(priority_engine, LOW, "prio"))
@@ -80,6 +81,7 @@ def test_priority_zero_finishes_before_every_waiting_low_priority(priority_engin
     priority_engine.assert_all_blocks_free()
 
 
+@pytest.mark.slow
 def test_fcfs_priority_zero_request_finishes_last(fcfs_engine):
     long, lows, urgent, preemptions = fcfs_engine.run(
         _urgent_after_queue(fcfs_engine, 0, "fcfs"))  # non-zero priority is a 400 under fcfs
@@ -149,6 +151,7 @@ async def _feed_high_while_low_waits(handle, tag: str, enough):
     return low, late(), highs, snapshot
 
 
+@pytest.mark.slow
 def test_aging_lets_low_priority_run_under_a_stream_of_high_priority(aging_engine):
     def enough(low, late_highs):  # it started, or a later arrival overtook it (failure)
         return low.first_output_at is not None or any(
@@ -168,6 +171,7 @@ def test_aging_lets_low_priority_run_under_a_stream_of_high_priority(aging_engin
     aging_engine.assert_all_blocks_free()
 
 
+@pytest.mark.slow
 def test_without_aging_low_priority_waits_while_high_priority_keeps_coming(priority_engine):
     def enough(low, late_highs):  # well past the point where aging would have let it run
         return low.first_output_at is not None or sum(

@@ -88,6 +88,7 @@ def _order(records):
     return [r.name for r in sorted(records, key=lambda r: r.done_at)]
 
 
+@pytest.mark.slow
 def test_http_priority_header_urgent_finishes_before_waiting_low(priority_server):
     long, lows, urgent, waiting = asyncio.run(
         _scenario(priority_server, LOW, {"X-Priority": "0"}, {}))
@@ -98,6 +99,7 @@ def test_http_priority_header_urgent_finishes_before_waiting_low(priority_server
     priority_server.assert_alive()
 
 
+@pytest.mark.slow
 def test_http_fcfs_urgent_finishes_last(fcfs_server):
     long, lows, urgent, waiting = asyncio.run(_scenario(fcfs_server, 0, {}, {}))
     order = _order([long, *lows, urgent])

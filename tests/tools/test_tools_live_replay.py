@@ -35,6 +35,7 @@ def _finished_by_id(server: LiveServer) -> dict[str, dict]:
     return out
 
 
+@pytest.mark.slow
 def test_replay_live_kvserve(live, tmp_path):
     prefix = "You are a terse assistant. " * 6
     requests = [
