@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Time the suite's make targets, idle and beside a competing load (issue 33).
 
     python tools/time_suite.py --out docs/benchmarks/DATE-test-durations.json \\
@@ -15,6 +16,9 @@ tail), not hidden: the tool exits 1 after writing the record.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # first: outside the venv, say how to run this script
+    import _venv_guard  # noqa: F401
 
 import argparse
 import json
