@@ -54,8 +54,9 @@ async def run_all(engine, tag: str):
     return await asyncio.gather(*(collect(engine, r) for r in requests(tag)))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def faulty_engine(default_model_path: Path):
+    """Stopped with its one test, not kept beside the next tests' engines."""
     handle = EngineThread(engine_config(default_model_path, FaultInjection(step_every=STEP_EVERY)))
     yield handle
     handle.close()
