@@ -102,12 +102,59 @@ def pytest_runtest_teardown(item, nextitem):
     FolderScoped.leave(item.path, nextitem.path if nextitem is not None else None)
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _stop_folder_resources_at_the_end():
-    """Whatever a folder still runs when the session ends (an interrupted
-    run) stops too."""
-    yield
-    FolderScoped.stop_all()
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    """Before a test starts (when the last test's fixture values are
+    dropped): collect the garbage if the process has grown by
+    ``COLLECT_AFTER_GROWTH_BYTES`` since the last collection."""
+    if current_rss_bytes() - _LAST_COLLECT["rss"] > COLLECT_AFTER_GROWTH_BYTES:
+        _collect_garbage()
+
+
+#: An engine is a web of reference cycles (its actors and the engine point at
+#: each other; the KV cache's free-block list is doubly linked), so a stopped
+#: engine's ~1 GiB (weights, KV cache) is freed only by a cyclic collection,
+#: which CPython runs when its allocation counters say, not when memory is
+#: large: the four engines of ``tests/e2e/test_e2e_faults.py`` (one per test)
+#: were all resident at once (3,743 MiB). Before a test, when the process is
+#: this much larger than at the last collection, the garbage is collected.
+COLLECT_AFTER_GROWTH_BYTES = 512 * 2**20
+_LAST_COLLECT = {"rss": 0}
+
+
+def current_rss_bytes() -> int:
+    """This process's resident bytes now (``/proc/self/statm``; 0 where absent)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _libc():
+    """glibc through ctypes, or None (another C library)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def _collect_garbage() -> None:
+    """Free what stopped engines hold (a cyclic collection) and give the
+    freed heap back to the OS (glibc's ``malloc_trim``)."""
+    import gc
+
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+    _LAST_COLLECT["rss"] = current_rss_bytes()
 
 
 def _release_freed_memory_to_the_os() -> None:
@@ -116,16 +163,10 @@ def _release_freed_memory_to_the_os() -> None:
     MiB come from the heap, which keeps freed memory: each engine started and
     stopped in this process left about 900 MiB behind (measured with
     ``malloc_trim``), and the suite's process reached 14 GiB (issue 33). A
-    fixed threshold (1 MiB: every array of a layer is mmapped and returned
+    fixed 1 MiB threshold (larger arrays are their own mappings, returned
     on free) and a trim after each module keep it to what is alive."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc
-        return
+    if _LIBC is not None:
+        _LIBC.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
 
 
 _release_freed_memory_to_the_os()
@@ -140,15 +181,7 @@ def _trim_after_each_module(request):
     raised = peak_rss_bytes()[0] - before
     if raised > 0 and raised >= _PEAK_MODULE.get("raised", 0):
         _PEAK_MODULE.update(raised=raised, module=request.node.nodeid)
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    _collect_garbage()
 
 
 #: The module whose run raised the pytest process's peak RSS the most.

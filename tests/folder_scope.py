@@ -67,11 +67,6 @@ class FolderScoped(Generic[T]):
             if resource.running and resource.holds(path) and not resource.holds(next_path):
                 resource.stop()
 
-    @classmethod
-    def stop_all(cls) -> None:
-        for resource in list(cls.live):
-            resource.stop()
-
 
 def folder_resource(folder: Path, start: Callable[[], T],
                     stop: Callable[[T], None]) -> Iterator[FolderScoped[T]]:
