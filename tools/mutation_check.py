@@ -747,10 +747,19 @@ MUTANTS_RAY_START = (
 
 MUTANTS_CONSTRAINT_WATCHDOG = (
     Mutant("constraint_watchdog_silent_exit", "constraints/compile_worker.py",
-           (("                    if self._stdout is not None:", "                    if False:"),),
+           (('            stdout.write(json.dumps({"timeout": cpu_seconds}) + "\\n")\n', ""),),
            ("tests/test_constraint_watchdog.py",),
            "a constraint past its CPU budget ends the child without answering: the server "
            "reads a crash (or a lost exit status) instead of the budget"),
+    Mutant("constraint_compile_idle_from_start", "constraints/compile_worker.py",
+           (("used is None or used > self.normal_cpu_seconds", "True"),),
+           ("tests/test_constraint_watchdog.py",),
+           "every compile runs on idle CPU only from its start: beside other busy processes "
+           "the server's constraints starve for minutes"),
+    Mutant("constraint_compile_never_demoted", "constraints/compile_worker.py",
+           (("                    yield_the_cpu(native_id)\n", ""),),
+           ("tests/test_constraint_watchdog.py",),
+           "a hostile compile keeps normal priority for its whole CPU budget, beside the steps"),
 )
 
 MUTANTS_LOGGING = (
@@ -1015,7 +1024,7 @@ CI_MUTANTS = (
     "fused_kv_slot", "cpu_kv_int8_key_scale", "attention_window_ignored",
     "top_p_drops_crossing_token", "penalty_sign", "structured_bit_order",
     # the serving core's data and policies
-    "constraint_child_forked",
+    "constraint_child_forked", "constraint_compile_idle_from_start",
     "block_hash_parent_link", "slot_mapping_offset", "threads_no_dwell",
     "stall_clock_not_restarted", "router_prefix_gap", "disk_checksum_unchecked",
     "tp_allreduce_single_buffer", "pp_micro_batch_takes_every_decode",

@@ -9,8 +9,10 @@ chained rules overflows an 8 MiB stack), so each new constraint goes:
 
 1. **size**: more than ``max_bytes`` (``--structured-outputs-max-bytes``)
    of schema, regex, grammar or choices is a 400 at once;
-2. **trial in a child process** (``kvserve.constraints.compile_worker``, at
-   the lowest CPU priority, ``SCHED_IDLE``, on a 256 MiB stack): it compiles the grammar and
+2. **trial in a child process** (``kvserve.constraints.compile_worker``, on
+   a 256 MiB stack, at normal priority for its first
+   ``NORMAL_PRIORITY_CPU_SECONDS`` of CPU and on idle CPU only after, so that
+   a hostile compile takes only what the step threads leave): it compiles the grammar and
    builds the whole matcher under llguidance's limits
    (``grammar.parser_limits``). Over ``timeout`` seconds of CPU
    (``--structured-outputs-timeout``; CPU time, so that what compiles does
@@ -22,8 +24,8 @@ chained rules overflows an 8 MiB stack), so each new constraint goes:
    without ``fork`` (``spawn_child``: a fork would run OpenBLAS's
    ``pthread_atfork`` handler, which deadlocks against a step's matrix
    product in the worker thread and wedged the whole server);
-3. **build in this process**, on one thread of that priority with a large
-   stack (llguidance drops the GIL while it builds), of what the trial
+3. **build in this process**, on a thread of its own with the same stack
+   and the same demotion (llguidance drops the GIL while it builds), of what the trial
    just built within its deadline: the template matcher the worker copies
    (``LLMatcher.deep_copy``, ~20 us) for each request.
 
@@ -37,15 +39,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import queue
 import subprocess
 import sys
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -53,7 +51,8 @@ from typing import Any
 import structlog
 
 from kvserve.config import StructuredOutputsConfig
-from kvserve.constraints.compile_worker import CPU_EXCEEDED, STACK_BYTES, yield_the_cpu
+from kvserve.constraints.compile_worker import (CPU_EXCEEDED, NORMAL_PRIORITY_CPU_SECONDS,
+                                                WATCH_INTERVAL, CompileThread)
 from kvserve.core.structured_outputs import StructuredOutputsParams
 
 log = structlog.get_logger("kvserve.structured")
@@ -113,20 +112,25 @@ class ConstraintCompiler:
             a pause the other requests' streams see; the engine accepts it
             so that a server that never sees a constraint never loads
             llguidance, as vLLM does).
+        normal_cpu_seconds: CPU seconds each compile (the trial, then the
+            build) runs at normal priority before it is demoted to idle CPU
+            (``compile_worker.NORMAL_PRIORITY_CPU_SECONDS``); a test that
+            needs a whole budget's compile to get its CPU on a busy machine
+            gives the budget.
 
-    Use from one event loop. The child and the builder thread start with the
-    first constrained request, so a server that never sees a constraint
-    never runs them.
+    Use from one event loop. The child starts with the first constrained
+    request, so a server that never sees a constraint never runs it.
     """
 
     def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: Sequence[int],
-                 config: StructuredOutputsConfig, tokenizer: Any = None) -> None:
+                 config: StructuredOutputsConfig, tokenizer: Any = None,
+                 normal_cpu_seconds: float = NORMAL_PRIORITY_CPU_SECONDS) -> None:
         self.config = config
+        self.normal_cpu_seconds = normal_cpu_seconds
         self._tokenizer_args = (str(tokenizer_json), int(vocab_size), list(eos_token_ids))
         self._child = _ChildProcess([sys.executable, "-m", "kvserve.constraints.compile_worker",
                                      str(tokenizer_json), str(vocab_size),
                                      ",".join(str(t) for t in eos_token_ids)])
-        self._builder = _BuilderThread()
         self._tokenizer = tokenizer
         self._cache = _Cache()
         self._lock = asyncio.Lock()
@@ -181,7 +185,8 @@ class ConstraintCompiler:
         start = time.monotonic()
         budget = self.config.timeout
         try:
-            answer = await self._child.ask(_request(params, budget), budget * WALL_FACTOR)
+            answer = await self._child.ask(_request(params, budget, self.normal_cpu_seconds),
+                                          budget * WALL_FACTOR)
         except _ChildStartFailed as exc:
             raise ConstraintError(f"{what.field}: the grammar compiler could not start: {exc}",
                                   what.field, status=503) from exc
@@ -202,8 +207,7 @@ class ConstraintCompiler:
             try:
                 if self._tokenizer is None:  # at normal priority: it holds the GIL
                     self._tokenizer = await asyncio.to_thread(self._load_tokenizer)
-                template = await asyncio.wrap_future(self._builder.submit(
-                    self._build, answer["grammar"]))
+                template = await self._build_watched(answer["grammar"])
                 entry = CompiledConstraint(template, float(answer["seconds"]))
             except GrammarError as exc:  # the trial passed: not expected, but refused alike
                 entry = _Refusal(str(exc))
@@ -218,28 +222,36 @@ class ConstraintCompiler:
         self._cache.put(params, entry)
         return _Entry(entry)
 
+    async def _build_watched(self, grammar: str) -> Any:
+        """The template matcher of ``grammar``, built on a ``CompileThread``
+        that the loop looks at every ``WATCH_INTERVAL`` (to demote it when due)."""
+        build = CompileThread(self._build, grammar, normal_cpu_seconds=self.normal_cpu_seconds)
+        while not build.join(0):
+            build.demote_if_due()
+            await asyncio.sleep(WATCH_INTERVAL)
+        return build.result()
+
     def _load_tokenizer(self) -> Any:
         """llguidance's tokenizer (``grammar.load_tokenizer``), on a thread of
-        normal priority: it holds the GIL for ~0.5 s, and on the builder
-        thread (``SCHED_IDLE``) a machine whose cores other processes keep
-        busy would leave it unscheduled that long while holding the GIL, and
-        the event loop with it."""
+        normal priority: it holds the GIL for ~0.5 s, and on a thread at idle
+        priority a machine whose cores other processes keep busy would leave
+        it unscheduled that long while holding the GIL, and the event loop
+        with it."""
         from kvserve.constraints.grammar import load_tokenizer
 
         return load_tokenizer(*self._tokenizer_args)
 
     def _build(self, grammar: str) -> Any:
-        """On the builder thread: the template matcher of ``grammar``
+        """On a build thread: the template matcher of ``grammar``
         (llguidance drops the GIL while it builds)."""
         from kvserve.constraints.grammar import build_matcher
 
         return build_matcher(self._tokenizer, grammar)
 
     async def close(self) -> None:
-        """Kill the child and stop the builder thread (a compile still
-        running there ends with the process: the thread is a daemon)."""
+        """Kill the child (a build still running here ends with the
+        process: its thread is a daemon)."""
         await self._child.close()
-        self._builder.close()
 
 
 class _Cache:
@@ -327,14 +339,16 @@ class _Entry:
         return replace(params, compiled=self.entry)
 
 
-def _request(params: StructuredOutputsParams, cpu_seconds: float) -> dict[str, Any]:
+def _request(params: StructuredOutputsParams, cpu_seconds: float,
+             normal_cpu_seconds: float) -> dict[str, Any]:
     """The child's request for ``params`` (its constraint fields and parts)
-    with a budget of ``cpu_seconds``."""
+    with a budget of ``cpu_seconds``, the first ``normal_cpu_seconds`` at
+    normal priority."""
     return {"params": {"json": params.json, "json_object": params.json_object,
                        "regex": params.regex, "grammar": params.grammar,
                        "choice": None if params.choice is None else list(params.choice),
                        "parts": [list(part) for part in params.parts]},
-            "cpu_seconds": cpu_seconds}
+            "cpu_seconds": cpu_seconds, "normal_cpu_seconds": normal_cpu_seconds}
 
 
 # --------------------------------------------------------------------------- the child
@@ -516,45 +530,3 @@ class _Tail:
             await asyncio.wait_for(self._task, 5.0)
         except (TimeoutError, asyncio.CancelledError):
             self._task.cancel()
-
-
-# --------------------------------------------------------------------------- the builder
-
-
-class _BuilderThread:
-    """One daemon thread with a ``STACK_BYTES`` stack at the lowest CPU
-    priority (``yield_the_cpu``), running submitted jobs in order."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` on the thread; a future of its result."""
-        future: Future = Future()
-        self._jobs.put((future, fn, args))
-        if self._thread is None:
-            previous = threading.stack_size(STACK_BYTES)
-            try:
-                self._thread = threading.Thread(target=self._run, name="kvserve-constraints",
-                                                daemon=True)
-                self._thread.start()
-            finally:
-                threading.stack_size(previous)
-        return future
-
-    def _run(self) -> None:
-        yield_the_cpu(threading.get_native_id())
-        while (job := self._jobs.get()) is not None:
-            future, fn, args = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                future.set_exception(exc)
-
-    def close(self) -> None:
-        """Stop the thread after the job it is running (if any)."""
-        if self._thread is not None:
-            self._jobs.put(None)
