@@ -55,7 +55,7 @@ NICE = 19
 #: at normal priority; the hostile ones take what the step threads leave
 #: after 20 ms. At 50 ms, a neighbour's stream fell below half its rate
 #: during the compiles of ``tests/e2e/test_e2e_constraint_isolation.py`` in
-#: 2 of 11 runs; at 20 ms in none of 8.
+#: 2 of 13 runs (at 500 ms in both of 2); at 20 ms in none of 11.
 NORMAL_PRIORITY_CPU_SECONDS = 0.02
 
 
