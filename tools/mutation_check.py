@@ -372,6 +372,15 @@ MUTANTS: tuple[Mutant, ...] = (
              '"slot_mapping": pad(batch.slot_mapping, 0, i64),'),),
            ("tests/cuda/test_cuda_step.py",),
            "a graph bucket's padding rows write their K/V over slot 0 of the cache"),
+    Mutant("vnni_panel_nibble_half", "cpu/vnni_kernels.py",
+           (("                if g < 4:", "                if g < 3:"),),
+           ("tests/cpu/test_vnni_panels.py",),
+           "the panel repack reads codes 12 .. 15 of a block from the high nibbles"),
+    Mutant("vnni_panel_min_term", "cpu/vnni_kernels.py",
+           (("builder.store(builder.call(fmuladd, [mvec, xs_b, acc]), accs[r])",
+             "builder.store(acc, accs[r])"),),
+           ("tests/cpu/test_vnni_panels.py",),
+           "the panels drop Q4_1's m * xsum term (and Q4_0's offset)"),
     Mutant("block_dot_q8_rounding", "cpu/block_dot_kernels.py",
            (("q = min(max(np.rint(x[m, o + j] * inv), -_CODE_MAX), _CODE_MAX)",
              "q = min(max(np.floor(x[m, o + j] * inv + 0.5), -_CODE_MAX), _CODE_MAX)"),),
@@ -1021,6 +1030,7 @@ CI_MUTANTS = (
     # kernels: CPU attention, prefill, RoPE, norms, products, fused decode, KV int8, sampler
     "gqa_head_mapping", "prefill_causal_mask", "rope_direction", "rms_norm_eps_placement",
     "f32_gemv_channel", "int8_tile_channel_scale", "q4_nibble_order", "block_dot_q8_rounding",
+    "vnni_panel_nibble_half",
     "fused_kv_slot", "cpu_kv_int8_key_scale", "attention_window_ignored",
     "top_p_drops_crossing_token", "penalty_sign", "structured_bit_order",
     # the serving core's data and policies

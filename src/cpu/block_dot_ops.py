@@ -12,14 +12,17 @@ the codes is scaled by ``d_w * d_x`` (``ggml_vec_dot_q4_0_q8_0``,
 matmul: the activation codes carry a relative error of up to ``1 / 254`` of
 each block's largest magnitude (see ``tests/cpu/test_block_dot.py``).
 
-Only the decode (GEMV) path: every row count takes the per-channel kernels,
-which read each weight byte once per ``ROW_TILE`` rows; prefill-sized inputs
-belong to ``block_ops`` (sgemm). Products of at least
+Below ``PANEL_MIN_ROWS`` rows, or on a CPU without AVX512-VNNI, every row
+count takes the per-channel kernels, which read each weight byte once per
+``ROW_TILE`` rows. From ``PANEL_MIN_ROWS`` rows on a VNNI CPU a q4 weight
+takes the 16-channel panels of ``kvserve.cpu.vnni_kernels`` (prefill
+included). Products of at least
 ``kvserve.cpu.parallel.PARALLEL_MIN_MACS`` multiply-adds run on Numba's
 threads under ``PARALLEL_REGION``, smaller ones on the caller's thread.
 ``CpuOps.linear`` takes it for a weight whose ``activations`` is ``q8``
-(``--quantization w4a8``) and at most ``Q8_MAX_ROWS`` rows; the fused decode
-step (``kvserve.cpu.decode_layer``) calls the same kernels.
+(``--quantization w4a8``) and at most ``Q8_MAX_ROWS`` rows, or when
+:func:`uses_panels`; the fused decode step (``kvserve.cpu.decode_layer``)
+calls the same kernels.
 ``tools/bench_block_dot.py`` measures it against the float kernels.
 """
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvserve.cpu import block_dot_kernels as bdk
+from kvserve.cpu import vnni_kernels as vk
 from kvserve.cpu.block_ops import check_operands
 from kvserve.cpu.parallel import PARALLEL_REGION, check_array, parallel_chunks
 from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
@@ -37,6 +41,21 @@ from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
 #: kernels stop paying: at 16 rows they measured 1.1-1.2x the float kernels,
 #: at 32 rows 0.9-1.05x (docs/benchmarks/2026-12-02-block-dot.json).
 Q8_MAX_ROWS = 16
+#: Fewest rows of a q4 product that take the 16-channel VNNI panels
+#: (``kvserve.cpu.vnni_kernels``) on a CPU with AVX512-VNNI: per layer of
+#: the default model (2 threads, Zen 5) 0.58 against 0.77 ms for the
+#: per-row kernels at 16 rows, 0.49 against 0.38 at 8; at 32 rows 0.55
+#: against 1.17 ms for the float kernels, at 512 rows 4.2 against 17.9
+#: (dequantize + sgemm) (docs/benchmarks/2026-12-03-vnni-panels.json).
+PANEL_MIN_ROWS = 16
+
+
+def uses_panels(w: BlockQuantizedWeight, rows: int) -> bool:
+    """Whether a product of ``rows`` rows with ``w`` takes the VNNI panels:
+    a CPU with AVX512-VNNI, a q4 weight whose N is a multiple of 16, and at
+    least ``PANEL_MIN_ROWS`` rows."""
+    return (vk.HAS_VNNI and w.kind == "q4" and rows >= PANEL_MIN_ROWS
+            and w.shape[0] % vk.LANES == 0)
 
 
 def quantize_activations_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -94,7 +113,12 @@ def linear_blocks_q8(x: np.ndarray, w: BlockQuantizedWeight, bias: np.ndarray | 
 
 def _run(xq, xd, xsum, w: BlockQuantizedWeight, out: np.ndarray, chunks: int) -> None:
     n = w.shape[0]
-    if w.kind == "q8":
+    if uses_panels(w, xq.shape[0]):
+        if chunks:
+            vk.q4_q8_panel_parallel(xq, xd, xsum, w.qs, w.d, w.m, out, chunks)
+        else:
+            vk.q4_q8_panel_range(xq, xd, xsum, w.qs, w.d, w.m, out, 0, n, False)
+    elif w.kind == "q8":
         if chunks:
             bdk.q8_0_q8_gemv_parallel(xq, xd, w.qs, w.d, out, chunks)
         else:

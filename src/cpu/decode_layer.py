@@ -58,6 +58,7 @@ from kvserve.cpu.block_dot_kernels import (QK, q4_1_q8_gemv_range, q8_0_q8_gemv_
 from kvserve.cpu.block_kernels import q4_gemv_range, q8_gemv_range
 from kvserve.cpu.kernels import (_attend_tile, f32_gemv_range, f32_gemv_rows_range,
                                   quantize_kv_vector)
+from kvserve.cpu.vnni_kernels import LANES, q4_q8_panel_range
 
 #: Weight kinds of the 7-tuples.
 DENSE, Q4, Q8 = 0, 1, 2
@@ -94,11 +95,15 @@ def _q8_operand(x, act_q8, unused):
 
 
 @njit(nogil=True, cache=True)
-def _product_range(x, xq8, act_q8, per_row, w, out, lo, hi):
+def _product_range(x, xq8, act_q8, panels, per_row, w, out, lo, hi):
     """out[:, lo:hi] = x @ W[lo:hi].T; with ``act_q8`` a block weight takes
-    the Q8-activation integer kernels on ``xq8 = _q8_operand(x, True)``."""
+    the Q8-activation integer kernels on ``xq8 = _q8_operand(x, True)``,
+    a q4 one the VNNI panels of ``vnni_kernels`` when ``panels`` (lo and
+    hi then multiples of 16)."""
     kind = w[0]
-    if act_q8 and kind == Q4:
+    if act_q8 and panels and kind == Q4:
+        q4_q8_panel_range(xq8[0], xq8[1], xq8[2], w[3], w[5], w[6], out, lo, hi, False)
+    elif act_q8 and kind == Q4:
         q4_1_q8_gemv_range(xq8[0], xq8[1], xq8[2], w[3], w[5], w[6], out, lo, hi)
     elif act_q8 and kind == Q8:
         q8_0_q8_gemv_range(xq8[0], xq8[1], w[4], w[5], out, lo, hi)
@@ -107,11 +112,13 @@ def _product_range(x, xq8, act_q8, per_row, w, out, lo, hi):
 
 
 @njit(nogil=True, cache=True)
-def _span(c, n_chunks, n):
-    """Channels [lo, hi) of chunk c of n, in whole groups of four, spread evenly."""
-    groups = (n + 3) // 4
-    lo = c * groups // n_chunks * 4
-    hi = min((c + 1) * groups // n_chunks * 4, n)
+def _span(c, n_chunks, n, panels=False):
+    """Channels [lo, hi) of chunk c of n, in whole groups of four (of 16 with
+    ``panels``), spread evenly."""
+    size = LANES if panels else 4
+    groups = (n + size - 1) // size
+    lo = c * groups // n_chunks * size
+    hi = min((c + 1) * groups // n_chunks * size, n)
     return lo, hi
 
 
@@ -193,7 +200,7 @@ def _rope_kv_attend(s, kvh, qkv, positions, rope, kv_cache, slots, block_tables,
 @njit(nogil=True, cache=True, parallel=True)
 def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, rope, slots,
                   block_tables, seq_lens, eps, scale, nh, nkv, n_chunks, act_q8, per_row,
-                  kv_scales=None):
+                  kv_scales=None, panels=False):
     """Layers [l0, l1) of a decode-only batch of S sequences, in place.
 
     Args:
@@ -217,6 +224,9 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
             op path's when batch-invariant.
         kv_scales: None (float32 caches), or a typed List of the int8 caches'
             float32 views (``cache.view(np.float32)``), one per layer.
+        panels: with ``act_q8``, q4 products take the 16-channel VNNI panels
+            (``vnni_kernels``; the caller checks the CPU, the row count and
+            that every q4 weight's N is a multiple of 16).
 
     Unchecked: the caller (``decode_path``) checks positions, slots, block
     ids and seq_lens against the cache and the tables.
@@ -239,8 +249,8 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
         qkv = np.empty((S, n_qkv), np.float32)
         xq8 = _q8_operand(xn, act_q8, no_q8)
         for c in prange(n_chunks):
-            lo, hi = _span(c, n_chunks, n_qkv)
-            _product_range(xn, xq8, act_q8, per_row, qkv_w, qkv, lo, hi)
+            lo, hi = _span(c, n_chunks, n_qkv, panels)
+            _product_range(xn, xq8, act_q8, panels, per_row, qkv_w, qkv, lo, hi)
             if qkv_bias.shape[0]:
                 for t in range(S):
                     for n in range(lo, hi):
@@ -262,8 +272,8 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
         att2 = att.reshape(S, nh * hd)
         xq8 = _q8_operand(att2, act_q8, no_q8)
         for c in prange(n_chunks):
-            lo, hi = _span(c, n_chunks, H)
-            _product_range(att2, xq8, act_q8, per_row, o_w, x, lo, hi)
+            lo, hi = _span(c, n_chunks, H, panels)
+            _product_range(att2, xq8, act_q8, panels, per_row, o_w, x, lo, hi)
 
         _add_rms_norm(x, residual, post_norm, eps, True, xn)
 
@@ -272,9 +282,9 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
         act = np.empty((S, inter), np.float32)
         xq8 = _q8_operand(xn, act_q8, no_q8)
         for c in prange(n_chunks):
-            lo, hi = _span(c, n_chunks, inter)
-            _product_range(xn, xq8, act_q8, per_row, gate_up_w, gu, lo, hi)
-            _product_range(xn, xq8, act_q8, per_row, gate_up_w, gu, inter + lo, inter + hi)
+            lo, hi = _span(c, n_chunks, inter, panels)
+            _product_range(xn, xq8, act_q8, panels, per_row, gate_up_w, gu, lo, hi)
+            _product_range(xn, xq8, act_q8, panels, per_row, gate_up_w, gu, inter + lo, inter + hi)
             for t in range(S):
                 for i in range(lo, hi):
                     a = gu[t, i]
@@ -282,8 +292,8 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
 
         xq8 = _q8_operand(act, act_q8, no_q8)
         for c in prange(n_chunks):
-            lo, hi = _span(c, n_chunks, H)
-            _product_range(act, xq8, act_q8, per_row, down_w, x, lo, hi)
+            lo, hi = _span(c, n_chunks, H, panels)
+            _product_range(act, xq8, act_q8, panels, per_row, down_w, x, lo, hi)
 
 
 @njit(cache=True)

@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 
 from kvserve.cpu import decode_layer as dl
+from kvserve.cpu import block_dot_ops
+from kvserve.cpu import vnni_kernels as vk
 from kvserve.cpu.block_dot_ops import Q8_MAX_ROWS
 from kvserve.cpu.block_ops import check_weight
 from kvserve.cpu.parallel import PARALLEL_REGION
@@ -84,6 +86,7 @@ class _Prepared:
                                       cfg.head_dim)
         self.eps = float(cfg.rms_norm_eps)
         self.act_q8 = False  # set by _weight: a block weight with Q8 activations
+        self.panels_ok = vk.HAS_VNNI  # cleared by _layer: an N not a multiple of 16
         self.scale = np.float32(model.scale)
         self.layers = None
         if not fused_architecture(cfg):
@@ -102,6 +105,8 @@ class _Prepared:
         shapes = ((layer.qkv, n_qkv, H), (layer.o_proj, H, cfg.num_attention_heads * hd),
                   (layer.gate_up, 2 * inter, H), (layer.down, H, inter))
         weights = [self._weight(w, n, k) for w, n, k in shapes]
+        # panels of 16 channels: every product's N, and each half of gate_up
+        self.panels_ok &= inter % vk.LANES == 0 and all(n % vk.LANES == 0 for _, n, _ in shapes)
         norms_ok = all(_f32(a, 1) and a.shape == (H,)
                        for a in (layer.input_norm, layer.post_norm))
         bias = _NO_BIAS if layer.qkv_bias is None else layer.qkv_bias
@@ -239,7 +244,10 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
     sl = _int(sl, np.int32)
     if not _metadata_ok(pos, slots, bt, sl, S, kv_caches[0].shape, prep.rope.shape[0]):
         return None
-    act_q8 = prep.act_q8 and S <= Q8_MAX_ROWS and not batch_invariant
+    panels = prep.panels_ok and S >= block_dot_ops.PANEL_MIN_ROWS
+    act_q8 = prep.act_q8 and (S <= Q8_MAX_ROWS or panels) and not batch_invariant
+    if panels and act_q8:
+        extra = (*extra, True) if extra else (None, True)
     residual = hidden
     if not _f32(residual, 2):
         residual = np.array(hidden, dtype=np.float32, order="C")

@@ -234,8 +234,9 @@ class CpuOps:
                                  "kernels (--batch-invariant serves none or q4)")
             return self._linear_quantized(np.ascontiguousarray(x, dtype=_F32), weight, bias)
         if isinstance(weight, BlockQuantizedWeight):
-            if weight.activations == "q8" and not self.batch_invariant \
-                    and len(x) <= block_dot_ops.Q8_MAX_ROWS:
+            if weight.activations == "q8" and not self.batch_invariant and (
+                    len(x) <= block_dot_ops.Q8_MAX_ROWS
+                    or block_dot_ops.uses_panels(weight, len(x))):
                 return block_dot_ops.linear_blocks_q8(np.ascontiguousarray(x, dtype=_F32),
                                                       weight, bias, num_threads=self._threads())
             return block_ops.linear_blocks(np.ascontiguousarray(x, dtype=_F32), weight, bias,

@@ -239,3 +239,28 @@ def test_w4a8_fused_decode_matches_q8_op_path(w4a8_models, seqs, monkeypatch):
         assert np.abs(got - flt).max() > 100 * TOL * scale
     for got, ref in zip(caches, ref_caches):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+
+
+def test_w4a8_fused_decode_with_panels_matches_op_path(tmp_path, monkeypatch):
+    """Where a w4a8 step takes the 16-channel VNNI panels (``vnni_kernels``;
+    from ``PANEL_MIN_ROWS`` rows, lowered to 1 here so that three tiny
+    sequences take them, and forced on so that a CPU without VNNI runs the
+    generic dot product through the same route), the fused step is called
+    with ``panels`` and matches the op path, which takes the panels too."""
+    from kvserve.cpu import block_dot_ops, vnni_kernels
+    monkeypatch.setattr(vnni_kernels, "HAS_VNNI", True)
+    monkeypatch.setattr(block_dot_ops, "PANEL_MIN_ROWS", 1)
+    config, weights = load_tiny(tmp_path, SPECS[0])
+    w4a8 = LlamaModel(config, _blocks(weights), CpuOps(num_threads=2), "w4a8")
+    prefilled = _prefill(w4a8)
+    seen = []
+    kernel = decode_layer.decode_layers
+    monkeypatch.setattr(decode_layer, "decode_layers",
+                        lambda *args: (seen.append(args[-1]), kernel(*args))[1])
+    ref_logits, ref_caches, _ = _decode_twice(w4a8, prefilled, (0, 1, 2), monkeypatch, "0")
+    logits, caches, calls = _decode_twice(w4a8, prefilled, (0, 1, 2), monkeypatch, None)
+    assert len(calls) == 2 and seen == [True, True]
+    for got, ref in zip(logits, ref_logits):
+        assert np.abs(got - ref).max() <= TOL * np.abs(ref).max()
+    for got, ref in zip(caches, ref_caches):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())

@@ -1,0 +1,79 @@
+"""The 16-channel q4 x Q8 panels (``kvserve.cpu.vnni_kernels``) against the
+float64 NumPy reference of ``test_block_dot`` (integer block sums in int64,
+written from llama.cpp's formulas, not from the kernels).
+
+Both dot products run on every machine: the generic one always, the
+``vpdpbusd`` one where the CPU has AVX512-VNNI (elsewhere the same call
+builds the generic one, so the test checks that fallback instead). Row
+counts cover the 4-row tile and every remainder; the weights come from
+gguf-py's quantizer, so the nibble layout is llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_block_dot import activations, reference, weight
+
+from kvserve.cpu import block_dot_ops as bdo
+from kvserve.cpu import vnni_kernels as vk
+from kvserve.cpu.block_dot_ops import quantize_activations_q8
+
+N = 3 * vk.LANES
+
+
+@pytest.mark.parametrize("generic", [True, False])
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("k", [32, 576])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 17])
+def test_panel_equals_integer_reference(generic, ggml_type, k, m):
+    w, codes, _ = weight(ggml_type, N, k, seed=k + 1)
+    x = activations(m, k, seed=m + 3)
+    ref, bound = reference(x, ggml_type, w, codes)
+    xq, xd, xsum = quantize_activations_q8(x)
+    out = np.full((m, N), np.nan, np.float32)
+    # channels 16 .. 47 only: the first panel must stay untouched
+    vk.q4_q8_panel_range(xq, xd, xsum, w.qs, w.d, w.m, out, vk.LANES, N, generic)
+    assert np.isnan(out[:, :vk.LANES]).all()
+    got = out[:, vk.LANES:]
+    err = np.abs(got - ref[:, vk.LANES:])
+    assert (err <= bound[:, vk.LANES:]).all(), float((err / bound[:, vk.LANES:]).max())
+
+
+def test_repack_layout():
+    """Byte ((b * 8 + g) * 16 + c) * 4 + t of a panel is code 4 g + t of block b
+    of channel c; the scales are transposed per block."""
+    w, codes, _ = weight("Q4_1", vk.LANES, 64, seed=5)
+    nb = 2
+    panel = np.zeros(nb * vk.PANEL_BLOCK_BYTES, np.uint8)
+    dp = np.zeros((nb, vk.LANES), np.float32)
+    mp = np.zeros((nb, vk.LANES), np.float32)
+    vk.repack_q4_panel(w.qs, w.d, w.m, 0, panel, dp, mp)
+    grouped = panel.reshape(nb, 8, vk.LANES, 4)
+    expected = codes.reshape(vk.LANES, nb, 8, 4).transpose(1, 2, 0, 3)
+    np.testing.assert_array_equal(grouped, expected)
+    np.testing.assert_array_equal(dp, w.d.T)
+    np.testing.assert_array_equal(mp, w.m.T)
+
+
+@pytest.mark.parametrize("m", [bdo.PANEL_MIN_ROWS, 33])
+def test_linear_takes_panels_from_the_threshold(m, monkeypatch):
+    """``linear_blocks_q8`` routes q4 products of ``PANEL_MIN_ROWS`` rows or
+    more to the panels on a VNNI CPU (forced here, so the route is checked
+    everywhere: off VNNI the panels build the generic dot product), in
+    parallel chunks of whole panels, and equals the reference."""
+    monkeypatch.setattr(vk, "HAS_VNNI", True)
+    w, codes, _ = weight("Q4_1", 6 * vk.LANES, 576, seed=9)
+    x = activations(m, 576, seed=m)
+    calls = []
+    for name in ("q4_q8_panel_parallel", "q4_q8_panel_range"):
+        real = getattr(vk, name)
+        monkeypatch.setattr(vk, name, lambda *a, real=real, name=name:
+                            (calls.append(name), real(*a))[1])
+    y = bdo.linear_blocks_q8(x, w, num_threads=2)
+    assert len(calls) == 1
+    ref, bound = reference(x, "Q4_1", w, codes)
+    assert (np.abs(y - ref) <= bound).all()
+    assert not bdo.uses_panels(w, bdo.PANEL_MIN_ROWS - 1)
+    odd = weight("Q4_1", vk.LANES + 4, 64, seed=1)[0]
+    assert not bdo.uses_panels(odd, 64)  # N not a multiple of 16: per-row kernels
