@@ -8,7 +8,11 @@ best of ``--repeats`` times of
 - ``kvserve.cpu.block_ops.linear_blocks`` (float32 activations, blocks
   dequantized to float in registers; what ``CpuOps`` serves today), and
 - ``kvserve.cpu.block_dot_ops.linear_blocks_q8`` (activations quantized to
-  Q8 blocks, integer dot products; the quantization is inside the timing),
+  Q8 blocks, integer dot products; the quantization is inside the timing)
+  with the per-row kernels of ``block_dot_kernels`` (``q8_dot_ms``), and
+- the same with the 16-channel VNNI panels of ``kvserve.cpu.vnni_kernels``
+  (``q8_panels_ms``; the weight's packing is outside the timing, as the
+  server packs once), only on a CPU with AVX512-VNNI,
 
 with ``os.getloadavg()`` before and after each row (the 2-core machine is
 shared). Also the error of the Q8 path against the float one on the same
@@ -42,6 +46,7 @@ import numpy as np
 from kvserve.cpu import block_dot_kernels as bdk
 from kvserve.cpu import block_dot_ops as bdo
 from kvserve.cpu import block_ops as bo
+from kvserve.cpu import vnni_kernels as vk
 from kvserve.cpu.kernels import CHEAP_PARALLEL_REGIONS
 from kvserve.cpu.parallel import PARALLEL_MIN_MACS, parallel_chunks
 from kvserve.model import ggml_blocks as gb
@@ -93,24 +98,32 @@ def bench(args: argparse.Namespace) -> dict:
         for m in args.rows:
             x = rng.standard_normal((m, k)).astype(np.float32)
             y_float = bo.linear_blocks(x, w, num_threads=1)
+            vk.HAS_VNNI = False  # the per-row kernels
             y_q8 = bdo.linear_blocks_q8(x, w, num_threads=1)
             err = float(np.abs(y_q8 - y_float).max())
+            panels = vk.CPU_HAS_VNNI and w.kind == "q4" and n % vk.LANES == 0
             for threads in args.threads:
                 load_before = os.getloadavg()
                 f_ms = best_ms(lambda: bo.linear_blocks(x, w, num_threads=threads),
                                args.repeats, args.budget)
+                vk.HAS_VNNI = False
                 q_ms = best_ms(lambda: bdo.linear_blocks_q8(x, w, num_threads=threads),
                                args.repeats, args.budget)
+                vk.HAS_VNNI = vk.CPU_HAS_VNNI
+                p_ms = best_ms(lambda: bdo.linear_blocks_q8(x, w, num_threads=threads),
+                               args.repeats, args.budget) if panels else None
                 row = {"product": label, "ggml_type": w.ggml_type, "N": n, "K": k, "M": m,
                        "threads": threads,
                        "parallel": bool(parallel_chunks((m, k), n, threads)),
                        "float_dequant_ms": round(f_ms, 4), "q8_dot_ms": round(q_ms, 4),
+                       "q8_panels_ms": None if p_ms is None else round(p_ms, 4),
                        "speedup": round(f_ms / q_ms, 2),
                        "max_abs_err_vs_float": err,
                        "rel_err_vs_float": err / float(np.abs(y_float).max()),
                        "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
                 rows.append(row)
                 print(f"{label:24s} M={m:2d} t={threads} float {f_ms:8.3f} ms  q8 {q_ms:8.3f} ms "
+                      f" panels {p_ms or float('nan'):8.3f} ms"
                       f" x{f_ms / q_ms:5.2f}  rel err {row['rel_err_vs_float']:.2e}  "
                       f"load {load_before[0]:.2f}", file=sys.stderr, flush=True)
     return {"rows": rows}
@@ -194,11 +207,14 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     if "rows" in doc:
-        print("| product | M | threads | float ms | q8 ms | speedup | rel err | load |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("| product | M | threads | float ms | q8 ms | q8 panels ms | speedup | rel err "
+              "| load |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in doc["rows"]:
+            panels = r.get("q8_panels_ms")
             print(f"| {r['product']} | {r['M']} | {r['threads']} | {r['float_dequant_ms']:.3f} | "
-                  f"{r['q8_dot_ms']:.3f} | {r['speedup']:.2f} | {r['rel_err_vs_float']:.1e} | "
+                  f"{r['q8_dot_ms']:.3f} | {'-' if panels is None else f'{panels:.3f}'} | "
+                  f"{r['speedup']:.2f} | {r['rel_err_vs_float']:.1e} | "
                   f"{r['loadavg_before'][0]:.2f} |")
     return 0
 

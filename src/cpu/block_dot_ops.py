@@ -12,11 +12,11 @@ the codes is scaled by ``d_w * d_x`` (``ggml_vec_dot_q4_0_q8_0``,
 matmul: the activation codes carry a relative error of up to ``1 / 254`` of
 each block's largest magnitude (see ``tests/cpu/test_block_dot.py``).
 
-Below ``PANEL_MIN_ROWS`` rows, or on a CPU without AVX512-VNNI, every row
-count takes the per-channel kernels, which read each weight byte once per
-``ROW_TILE`` rows. From ``PANEL_MIN_ROWS`` rows on a VNNI CPU a q4 weight
-takes the 16-channel panels of ``kvserve.cpu.vnni_kernels`` (prefill
-included). Products of at least
+On a CPU with AVX512-VNNI a q4 weight (N a multiple of 16) takes the
+16-channel panels of ``kvserve.cpu.vnni_kernels`` for every row count,
+prefill included, packed once per weight (:func:`panels_of`). Otherwise
+every row count takes the per-channel kernels, which read each weight byte
+once per ``ROW_TILE`` rows. Products of at least
 ``kvserve.cpu.parallel.PARALLEL_MIN_MACS`` multiply-adds run on Numba's
 threads under ``PARALLEL_REGION``, smaller ones on the caller's thread.
 ``CpuOps.linear`` takes it for a weight whose ``activations`` is ``q8``
@@ -27,6 +27,9 @@ calls the same kernels.
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 import numpy as np
 
@@ -42,12 +45,13 @@ from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
 #: at 32 rows 0.9-1.05x (docs/benchmarks/2026-12-02-block-dot.json).
 Q8_MAX_ROWS = 16
 #: Fewest rows of a q4 product that take the 16-channel VNNI panels
-#: (``kvserve.cpu.vnni_kernels``) on a CPU with AVX512-VNNI: per layer of
-#: the default model (2 threads, Zen 5) 0.58 against 0.77 ms for the
-#: per-row kernels at 16 rows, 0.49 against 0.38 at 8; at 32 rows 0.55
-#: against 1.17 ms for the float kernels, at 512 rows 4.2 against 17.9
-#: (dequantize + sgemm) (docs/benchmarks/2026-12-03-vnni-panels.json).
-PANEL_MIN_ROWS = 16
+#: (``kvserve.cpu.vnni_kernels``) on a CPU with AVX512-VNNI: they win from
+#: one row. Per layer of the default model's shapes (2 threads, Zen 5):
+#: 0.042 against 0.077 ms for the per-row kernels at 1 row, 0.144 against
+#: 0.662 at 16; 0.266 against 1.048 ms for the float kernels at 32 rows,
+#: 3.74 against 17.9 (dequantize + sgemm) at 512
+#: (docs/benchmarks/2026-12-03-vnni-panels.json).
+PANEL_MIN_ROWS = 1
 
 
 def uses_panels(w: BlockQuantizedWeight, rows: int) -> bool:
@@ -56,6 +60,32 @@ def uses_panels(w: BlockQuantizedWeight, rows: int) -> bool:
     least ``PANEL_MIN_ROWS`` rows."""
     return (vk.HAS_VNNI and w.kind == "q4" and rows >= PANEL_MIN_ROWS
             and w.shape[0] % vk.LANES == 0)
+
+
+#: Packed panels of the weights that took them, by ``id(w.qs)`` (dropped
+#: with the codes array).
+_PANELS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+_PANELS_LOCK = threading.Lock()
+
+
+def panels_of(w: BlockQuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
+    """``(packed uint8[N / 16, K / 32 * 256], dpm float32[N / 16, K])``: the
+    q4 weight ``w`` packed for ``vnni_kernels`` (:func:`vnni_kernels.pack_q4_panels`),
+    built on first use and kept while ``w.qs`` lives: as many bytes again
+    as the codes, plus twice the scales. N must be a multiple of 16."""
+    key = id(w.qs)
+    found = _PANELS.get(key)
+    if found is not None:
+        return found
+    with _PANELS_LOCK:
+        if key not in _PANELS:
+            n, k = w.shape
+            packed = np.empty((n // vk.LANES, k // QK * vk.PANEL_BLOCK_BYTES), np.uint8)
+            dpm = np.empty((n // vk.LANES, k), np.float32)
+            vk.pack_q4_panels(w.qs, w.d, w.m, packed, dpm)
+            _PANELS[key] = (packed, dpm)
+            weakref.finalize(w.qs, _PANELS.pop, key, None)
+        return _PANELS[key]
 
 
 def quantize_activations_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,10 +144,11 @@ def linear_blocks_q8(x: np.ndarray, w: BlockQuantizedWeight, bias: np.ndarray | 
 def _run(xq, xd, xsum, w: BlockQuantizedWeight, out: np.ndarray, chunks: int) -> None:
     n = w.shape[0]
     if uses_panels(w, xq.shape[0]):
+        packed, dpm = panels_of(w)
         if chunks:
-            vk.q4_q8_panel_parallel(xq, xd, xsum, w.qs, w.d, w.m, out, chunks)
+            vk.q4_q8_panel_parallel(xq, xd, xsum, packed, dpm, out, chunks)
         else:
-            vk.q4_q8_panel_range(xq, xd, xsum, w.qs, w.d, w.m, out, 0, n, False)
+            vk.q4_q8_panel_range(xq, xd, xsum, packed, dpm, out, 0, n, False)
     elif w.kind == "q8":
         if chunks:
             bdk.q8_0_q8_gemv_parallel(xq, xd, w.qs, w.d, out, chunks)

@@ -22,7 +22,10 @@ With ``act_q8`` (``--quantization w4a8``) each block product's input is
 first quantized to Q8 blocks (``block_dot_kernels.quantize_q8_blocks``, once
 per product, before its parallel region) and the products are the integer
 kernels ``q4_1_q8_gemv_range`` / ``q8_0_q8_gemv_range`` that
-``block_dot_ops.linear_blocks_q8`` runs on the op path. With ``per_row``
+``block_dot_ops.linear_blocks_q8`` runs on the op path, or for ``Q4P``
+weights with ``panels`` the 16-channel VNNI panels
+(``vnni_kernels.q4_q8_panel_range``), as that op path does on a VNNI CPU;
+the chunks are then whole panels of 16 channels. With ``per_row``
 (``--batch-invariant``) dense products take ``f32_gemv_rows_range``, as the
 op path then does, so that a row's sums do not depend on the batch.
 
@@ -34,7 +37,9 @@ one, which with the OpenMP threading layer cost about 1.3 us each.
 
 Weights, per product, are a 7-tuple ``(kind, N, dense, q4_codes, q8_codes, d,
 m)`` (``N`` output channels; ``DENSE``: float32[N, K] ``dense``; ``Q4``: uint8
-``q4_codes`` with ``d`` and ``m``; ``Q8``: int8 ``q8_codes`` with ``d``), the
+``q4_codes`` with ``d`` and ``m``; ``Q8``: int8 ``q8_codes`` with ``d``;
+``Q4P``: as ``Q4``, plus the packed panels (``block_dot_ops.panels_of``) as
+``q8_codes`` (an int8 view) and their scales as ``dense``), the
 unused members 1 x 1 placeholders, so that every weight form shares one type and the kernel
 compiles once. A layer is the tuple ``(input_norm, post_norm, qkv, qkv_bias,
 o_proj, gate_up, down)``, ``qkv_bias`` float32[0] when the model has none.
@@ -60,8 +65,9 @@ from kvserve.cpu.kernels import (_attend_tile, f32_gemv_range, f32_gemv_rows_ran
                                   quantize_kv_vector)
 from kvserve.cpu.vnni_kernels import LANES, q4_q8_panel_range
 
-#: Weight kinds of the 7-tuples.
-DENSE, Q4, Q8 = 0, 1, 2
+#: Weight kinds of the 7-tuples (``Q4P``: a q4 weight that also carries its
+#: VNNI panels, ``vnni_kernels.pack_q4_panels``).
+DENSE, Q4, Q8, Q4P = 0, 1, 2, 3
 
 
 @njit(nogil=True, cache=True)
@@ -73,7 +79,7 @@ def _gemv_range(x, w, out, lo, hi, per_row):
         f32_gemv_rows_range(x, dense, out, lo, hi)
     elif kind == DENSE:
         f32_gemv_range(x, dense, out, lo, hi)
-    elif kind == Q4:
+    elif kind == Q4 or kind == Q4P:
         q4_gemv_range(x, q4_codes, d, m, out, lo, hi)
     else:
         q8_gemv_range(x, q8_codes, d, out, lo, hi)
@@ -98,12 +104,12 @@ def _q8_operand(x, act_q8, unused):
 def _product_range(x, xq8, act_q8, panels, per_row, w, out, lo, hi):
     """out[:, lo:hi] = x @ W[lo:hi].T; with ``act_q8`` a block weight takes
     the Q8-activation integer kernels on ``xq8 = _q8_operand(x, True)``,
-    a q4 one the VNNI panels of ``vnni_kernels`` when ``panels`` (lo and
-    hi then multiples of 16)."""
+    a ``Q4P`` one the VNNI panels of ``vnni_kernels`` when ``panels`` (lo
+    and hi then multiples of 16)."""
     kind = w[0]
-    if act_q8 and panels and kind == Q4:
-        q4_q8_panel_range(xq8[0], xq8[1], xq8[2], w[3], w[5], w[6], out, lo, hi, False)
-    elif act_q8 and kind == Q4:
+    if act_q8 and panels and kind == Q4P:
+        q4_q8_panel_range(xq8[0], xq8[1], xq8[2], w[4], w[2], out, lo, hi, False)
+    elif act_q8 and (kind == Q4 or kind == Q4P):
         q4_1_q8_gemv_range(xq8[0], xq8[1], xq8[2], w[3], w[5], w[6], out, lo, hi)
     elif act_q8 and kind == Q8:
         q8_0_q8_gemv_range(xq8[0], xq8[1], w[4], w[5], out, lo, hi)

@@ -86,7 +86,11 @@ class _Prepared:
                                       cfg.head_dim)
         self.eps = float(cfg.rms_norm_eps)
         self.act_q8 = False  # set by _weight: a block weight with Q8 activations
-        self.panels_ok = vk.HAS_VNNI  # cleared by _layer: an N not a multiple of 16
+        # w4a8's q4 weights as VNNI panels of 16 channels: every product's N,
+        # and each half of gate_up, a whole number of panels
+        hd, inter = cfg.head_dim, cfg.intermediate_size
+        self.panels_ok = vk.HAS_VNNI and all(n % vk.LANES == 0 for n in (
+            cfg.hidden_size, inter, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd))
         self.scale = np.float32(model.scale)
         self.layers = None
         if not fused_architecture(cfg):
@@ -105,8 +109,6 @@ class _Prepared:
         shapes = ((layer.qkv, n_qkv, H), (layer.o_proj, H, cfg.num_attention_heads * hd),
                   (layer.gate_up, 2 * inter, H), (layer.down, H, inter))
         weights = [self._weight(w, n, k) for w, n, k in shapes]
-        # panels of 16 channels: every product's N, and each half of gate_up
-        self.panels_ok &= inter % vk.LANES == 0 and all(n % vk.LANES == 0 for _, n, _ in shapes)
         norms_ok = all(_f32(a, 1) and a.shape == (H,)
                        for a in (layer.input_norm, layer.post_norm))
         bias = _NO_BIAS if layer.qkv_bias is None else layer.qkv_bias
@@ -131,6 +133,9 @@ class _Prepared:
                     or (w.m is not None and not w.m.flags.writeable):
                 return None
             self.act_q8 |= w.activations == "q8"
+            if w.kind == "q4" and w.activations == "q8" and self.panels_ok:
+                packed, dpm = block_dot_ops.panels_of(w)
+                return (dl.Q4P, n, dpm, w.qs, packed.view(np.int8), w.d, w.m)
             if w.kind == "q4":
                 return (dl.Q4, n, _F32, w.qs, _I8, w.d, w.m)
             return (dl.Q8, n, _F32, _U8, w.qs, w.d, _F32)
@@ -236,8 +241,6 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
     caches, scales = prep.cache_list_for(kv_caches)
     if caches is None:
         return None
-    # a float32 cache calls the kernel exactly as before the int8 cache
-    extra = () if scales is None else (scales,)
     pos = _int(positions, np.int64)
     slots = _int(attn.slot_mapping, np.int64)
     bt = _int(attn.block_tables, np.int32)
@@ -246,8 +249,8 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
         return None
     panels = prep.panels_ok and S >= block_dot_ops.PANEL_MIN_ROWS
     act_q8 = prep.act_q8 and (S <= Q8_MAX_ROWS or panels) and not batch_invariant
-    if panels and act_q8:
-        extra = (*extra, True) if extra else (None, True)
+    # kv_scales and panels always given: one signature per cache dtype, as warmup's
+    extra = (scales, panels and act_q8)
     residual = hidden
     if not _f32(residual, 2):
         residual = np.array(hidden, dtype=np.float32, order="C")
@@ -306,7 +309,7 @@ def warmup(kv_cache_dtype: str = "auto") -> None:
     cache = (np.zeros((2, 2, bs, nkv, hd + kv_quant.SCALE_BYTES), np.int8) if int8
              else np.zeros((2, 2, bs, nkv, hd), np.float32))
     caches = dl.typed_list([cache])
-    extra = (dl.typed_list([cache.view(np.float32)]),) if int8 else ()
+    extra = (dl.typed_list([cache.view(np.float32)]) if int8 else None, False)
     x = np.ones((1, H), np.float32)
     with PARALLEL_REGION:
         dl.decode_layers(0, 1, x, x.copy(), False, layers, caches, np.zeros(1, np.int64),

@@ -12,18 +12,22 @@ differs.
 
 The per-row kernels of ``block_dot_kernels`` put one channel in a vector
 and reduce it horizontally, so every (channel, row, block) costs a
-conversion, a scale and an FMA for 32 multiply-adds. Here a 512-bit vector
-holds 16 channels (llama.cpp does the same with its repacked ``Q4_0x8``
-layouts): a *panel* of 16 channels is repacked once per call so that 64
-consecutive bytes hold codes ``4g .. 4g + 3`` of one block for the 16
-channels, 4 bytes each, and one ``vpdpbusd`` (AVX512-VNNI: unsigned bytes
+conversion, a scale and an FMA for 32 multiply-adds, and a lone row also
+unpacks the nibbles. Here a 512-bit vector holds 16 channels (llama.cpp
+does the same with its repacked ``Q4_0x8`` layouts). The weight is packed
+once (:func:`pack_q4_panels`, a byte permutation of ggml's blocks): for
+each panel of 16 channels and each block, 64 consecutive bytes hold bytes
+``4g .. 4g + 3`` of the block for the 16 channels, 4 each, so that their
+low nibbles are codes ``4g .. 4g + 3`` and their high nibbles codes
+``16 + 4g .. 16 + 4g + 3``. One ``vpdpbusd`` (AVX512-VNNI: unsigned bytes
 times signed bytes, four products summed into each int32 lane) adds four
 products to each channel's block sum, the activation's 4 bytes broadcast
-to every lane. Eight ``vpdpbusd`` finish a block for 16 channels, then one
-conversion, one multiply and two FMAs give the 16 channels' float sums:
-12 instructions for 512 multiply-adds, against 6 for 32 per row in
-``block_dot_kernels``. A tile of ``ROWS`` activation rows shares each
-panel load. No sum overflows: ``|I| <= 32 * 15 * 127``.
+to every lane. Per block and 16 channels: 4 loads, 4 ``vpandd`` and 4
+shifts for the nibbles (shared by a tile's rows), then per row 8
+``vpdpbusd``, one conversion, one multiply and two FMAs: 12 instructions
+for 512 multiply-adds, against 6 for 32 per row in ``block_dot_kernels``.
+A tile of ``ROWS`` activation rows shares each load. No sum overflows:
+``|I| <= 32 * 15 * 127``.
 
 Where the CPU has no AVX512-VNNI (``CPU_HAS_VNNI`` False) the same code is
 built with a generic four-byte dot product (zero- and sign-extend,
@@ -50,10 +54,8 @@ from numba.core.extending import intrinsic
 LANES = 16
 #: Input channels per block (ggml's QK4_1).
 QK = 32
-#: Groups of 4 codes per block (one ``vpdpbusd`` each).
-GROUPS = QK // 4
-#: Bytes of a repacked panel per block: 8 groups x 16 channels x 4 codes.
-PANEL_BLOCK_BYTES = GROUPS * LANES * 4
+#: Bytes of a packed panel per block: ggml's 16 bytes for each of 16 channels.
+PANEL_BLOCK_BYTES = LANES * QK // 2
 #: Activation rows per register tile.
 ROWS = 4
 
@@ -80,38 +82,32 @@ HAS_VNNI = CPU_HAS_VNNI
 
 
 # --------------------------------------------------------------------------- #
-# Repacking: 16 channels' nibbles -> codes grouped for vpdpbusd
+# Packing: ggml's bytes of 16 channels interleaved in groups of 4
 # --------------------------------------------------------------------------- #
 
 
 @njit(nogil=True, cache=True)
-def repack_q4_panel(qs, d, mn, n0, panel, dp, mp):
-    """Repack channels ``n0 .. n0 + 15`` of a q4 weight for the panel kernel.
+def pack_q4_panels(qs, d, mn, packed, dpm):
+    """Pack a q4 weight into panels of 16 channels for the panel kernels.
 
     qs: uint8[N, K / 2] (ggml nibbles: byte i of a block holds code i in its
-    low nibble, code i + 16 in its high one); d, mn: float32[N, K / 32].
-    Writes panel: uint8[K / 32 * PANEL_BLOCK_BYTES] with byte
-    ``((b * 8 + g) * 16 + c) * 4 + t`` = code ``4 g + t`` of block b of
-    channel ``n0 + c``; dp, mp: float32[K / 32, 16] = d, mn of those channels
-    by block.
+    low nibble, code i + 16 in its high one); d, mn: float32[N, K / 32]; N a
+    multiple of 16. Writes packed: uint8[N / 16, K / 32 * 256] with byte
+    ``(b * 4 + g) * 64 + 4 c + t`` of row G = byte ``16 b + 4 g + t`` of
+    channel ``16 G + c`` (codes ``4 g + t`` and ``16 + 4 g + t`` of block b),
+    and dpm: float32[N / 16, K / 32 * 32] with ``[G, 32 b + c]`` = d and
+    ``[G, 32 b + 16 + c]`` = mn of that channel and block.
     """
     nb = d.shape[1]
-    for c in range(LANES):
-        n = n0 + c
-        for b in range(nb):
-            dp[b, c] = d[n, b]
-            mp[b, c] = mn[n, b]
-            src = 16 * b
-            dst = b * PANEL_BLOCK_BYTES + 4 * c
-            for g in range(GROUPS):
-                o = dst + g * LANES * 4
-                i = src + 4 * (g % 4)
-                if g < 4:
+    for G in range(qs.shape[0] // LANES):
+        for c in range(LANES):
+            n = LANES * G + c
+            for b in range(nb):
+                dpm[G, 2 * LANES * b + c] = d[n, b]
+                dpm[G, 2 * LANES * b + LANES + c] = mn[n, b]
+                for g in range(4):
                     for t in range(4):
-                        panel[o + t] = qs[n, i + t] & 15
-                else:
-                    for t in range(4):
-                        panel[o + t] = qs[n, i + t] >> 4
+                        packed[G, (4 * b + g) * 4 * LANES + 4 * c + t] = qs[n, 16 * b + 4 * g + t]
 
 
 # --------------------------------------------------------------------------- #
@@ -149,9 +145,10 @@ def _dot4_generic(builder, acc, w, x):
 def _tile_codegen(rows):
     """Codegen of ``out[m + r, n0 : n0 + 16] = sum over blocks`` for r < rows.
 
-    Arguments (panel, dp, mp, xq, xd, xsum, out, m, n0, generic): panel
-    uint8[nb * 512], dp, mp float32[nb, 16], xq int8[M, K], xd, xsum
-    float32[M, nb], out float32[M, N], C-contiguous; ``generic`` (bool)
+    Arguments (packed, dpm, xq, xd, xsum, out, m, n0, generic): packed
+    uint8[N / 16, nb * 256] and dpm float32[N / 16, nb * 32]
+    (:func:`pack_q4_panels`), xq int8[M, K], xd, xsum float32[M, nb], out
+    float32[M, N], C-contiguous; n0 a multiple of 16; ``generic`` (bool)
     takes the generic dot product even where ``vpdpbusd`` exists.
     """
 
@@ -162,19 +159,23 @@ def _tile_codegen(rows):
         def row(a, r):  # pointer to row r of a C-contiguous 2-D array
             return builder.gep(a.data, [builder.mul(r, builder.extract_value(a.shape, 1))])
 
-        panel, dp, mp, xq, xd, xsum, out = (array(i) for i in range(7))
-        m, n0 = args[7], args[8]
+        packed, dpm, xq, xd, xsum, out = (array(i) for i in range(6))
+        m, n0 = args[6], args[7]
+        panel = builder.udiv(n0, n0.type(LANES))
+        w_row, s_row = row(packed, panel), row(dpm, panel)
         ms = [builder.add(m, m.type(r)) for r in range(rows)]
         x_rows = [row(xq, r) for r in ms]
         xd_rows, xsum_rows = [row(xd, r) for r in ms], [row(xsum, r) for r in ms]
-        nb = builder.extract_value(dp.shape, 0)
+        nb = builder.extract_value(xd.shape, 1)
         module = builder.module
-        v16i, v16f = _vec(_i32, LANES), _vec(_f32, LANES)
+        v64b, v16i, v16f = _vec(_i8, 64), _vec(_i32, LANES), _vec(_f32, LANES)
         fmuladd = cgutils.get_or_insert_function(
             module, ir.FunctionType(v16f, [v16f] * 3), "llvm.fmuladd.v16f32")
         accs = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * LANES))
                 for _ in range(rows)]
         zero = ir.Constant(v16i, [0] * LANES)
+        low_mask = ir.Constant(v64b, [15] * 64)
+        four = ir.Constant(v64b, [4] * 64)
 
         def block_loop(vnni):
             if vnni:
@@ -183,19 +184,28 @@ def _tile_codegen(rows):
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
                 sums = [zero] * rows
-                for g in range(GROUPS):
+                for g in range(4):
                     offset = builder.add(builder.mul(b, b.type(PANEL_BLOCK_BYTES)),
-                                         b.type(g * LANES * 4))
-                    wptr = builder.bitcast(builder.gep(panel.data, [offset]), v16i.as_pointer())
-                    w = builder.load(wptr, align=1)
-                    xo = builder.add(builder.mul(b, b.type(QK)), b.type(4 * g))
-                    for r in range(rows):
-                        xptr = builder.bitcast(builder.gep(x_rows[r], [xo]), _i32.as_pointer())
-                        x = _splat_value(builder, builder.load(xptr, align=1), LANES)
-                        sums[r] = (builder.call(dpbusd, [sums[r], w, x]) if vnni
-                                   else _dot4_generic(builder, sums[r], w, x))
-                dvec = builder.load(builder.bitcast(row(dp, b), v16f.as_pointer()), align=4)
-                mvec = builder.load(builder.bitcast(row(mp, b), v16f.as_pointer()), align=4)
+                                         b.type(g * 4 * LANES))
+                    wptr = builder.bitcast(builder.gep(w_row, [offset]), v64b.as_pointer())
+                    both = builder.load(wptr, align=1)
+                    halves = ((builder.and_(both, low_mask), 4 * g),  # codes 4g + t
+                              (builder.lshr(both, four), 16 + 4 * g))  # codes 16 + 4g + t
+                    for codes, first in halves:
+                        w = builder.bitcast(codes, v16i)
+                        xo = builder.add(builder.mul(b, b.type(QK)), b.type(first))
+                        for r in range(rows):
+                            xptr = builder.bitcast(builder.gep(x_rows[r], [xo]),
+                                                   _i32.as_pointer())
+                            x = _splat_value(builder, builder.load(xptr, align=1), LANES)
+                            sums[r] = (builder.call(dpbusd, [sums[r], w, x]) if vnni
+                                       else _dot4_generic(builder, sums[r], w, x))
+                scales = builder.mul(b, b.type(2 * LANES))
+                dvec = builder.load(builder.bitcast(builder.gep(s_row, [scales]),
+                                                    v16f.as_pointer()), align=4)
+                mvec = builder.load(builder.bitcast(
+                    builder.gep(s_row, [builder.add(scales, b.type(LANES))]),
+                    v16f.as_pointer()), align=4)
                 for r in range(rows):
                     xd_b = _splat_value(builder, builder.load(builder.gep(xd_rows[r], [b])),
                                         LANES)
@@ -207,7 +217,7 @@ def _tile_codegen(rows):
                     builder.store(builder.call(fmuladd, [mvec, xs_b, acc]), accs[r])
 
         if CPU_HAS_VNNI:
-            with builder.if_else(args[9]) as (generic, vnni):
+            with builder.if_else(args[8]) as (generic, vnni):
                 with generic:
                     block_loop(False)
                 with vnni:
@@ -224,8 +234,8 @@ def _tile_codegen(rows):
 
 
 def _tile_intrinsic(rows):
-    def typer(typingctx, panel, dp, mp, xq, xd, xsum, out, m, n0, generic):
-        return (types.none(panel, dp, mp, xq, xd, xsum, out, m, n0, generic),
+    def typer(typingctx, packed, dpm, xq, xd, xsum, out, m, n0, generic):
+        return (types.none(packed, dpm, xq, xd, xsum, out, m, n0, generic),
                 _tile_codegen(rows))
     typer.__name__ = f"_tile_{rows}"
     return intrinsic(typer)
@@ -235,40 +245,35 @@ _t1, _t2, _t3, _t4 = (_tile_intrinsic(r) for r in range(1, ROWS + 1))
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _tile(rows, generic, panel, dp, mp, xq, xd, xsum, out, m, n0):
+def _tile(rows, generic, packed, dpm, xq, xd, xsum, out, m, n0):
     """The tile of ``rows`` (1 to 4) rows from row m, channels n0 .. n0 + 15."""
     if rows == 4:
-        _t4(panel, dp, mp, xq, xd, xsum, out, m, n0, generic)
+        _t4(packed, dpm, xq, xd, xsum, out, m, n0, generic)
     elif rows == 3:
-        _t3(panel, dp, mp, xq, xd, xsum, out, m, n0, generic)
+        _t3(packed, dpm, xq, xd, xsum, out, m, n0, generic)
     elif rows == 2:
-        _t2(panel, dp, mp, xq, xd, xsum, out, m, n0, generic)
+        _t2(packed, dpm, xq, xd, xsum, out, m, n0, generic)
     else:
-        _t1(panel, dp, mp, xq, xd, xsum, out, m, n0, generic)
+        _t1(packed, dpm, xq, xd, xsum, out, m, n0, generic)
 
 
 @njit(nogil=True, cache=True)
-def q4_q8_panel_range(xq, xd, xsum, qs, d, mn, out, lo, hi, generic=False):
+def q4_q8_panel_range(xq, xd, xsum, packed, dpm, out, lo, hi, generic=False):
     """Channels [lo, hi) (multiples of 16) of ``out = x @ W.T`` for a q4
-    weight and Q8 activations: each panel of 16 channels repacked once
-    (:func:`repack_q4_panel`), then every row in tiles of 4 (a last tile of
-    1 to 3 rows). ``generic``: the generic dot product even on a VNNI CPU.
+    weight packed by :func:`pack_q4_panels` and Q8 activations: each panel's
+    rows in tiles of 4 (a last tile of 1 to 3 rows). ``generic``: the
+    generic dot product even on a VNNI CPU.
 
-    xq: int8[M, K]; xd, xsum: float32[M, K / 32]; qs: uint8[N, K / 2];
-    d, mn: float32[N, K / 32] (Q4_0 as ``mn = -8 d``); out: float32[M, N].
+    xq: int8[M, K]; xd, xsum: float32[M, K / 32]; packed: uint8[N / 16,
+    K / 32 * 256]; dpm: float32[N / 16, K]; out: float32[M, N].
     """
     M = xq.shape[0]
-    nb = d.shape[1]
-    panel = np.empty(nb * PANEL_BLOCK_BYTES, dtype=np.uint8)
-    dp = np.empty((nb, LANES), dtype=np.float32)
-    mp = np.empty((nb, LANES), dtype=np.float32)
     tiled = M - M % ROWS
     for n0 in range(lo, hi, LANES):
-        repack_q4_panel(qs, d, mn, n0, panel, dp, mp)
         for m in range(0, tiled, ROWS):
-            _tile(ROWS, generic, panel, dp, mp, xq, xd, xsum, out, m, n0)
+            _tile(ROWS, generic, packed, dpm, xq, xd, xsum, out, m, n0)
         if M > tiled:
-            _tile(M - tiled, generic, panel, dp, mp, xq, xd, xsum, out, tiled, n0)
+            _tile(M - tiled, generic, packed, dpm, xq, xd, xsum, out, tiled, n0)
 
 
 @njit(nogil=True, cache=True)
@@ -279,10 +284,9 @@ def _panels(c, n_chunks, n):
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def q4_q8_panel_parallel(xq, xd, xsum, qs, d, mn, out, n_chunks):
+def q4_q8_panel_parallel(xq, xd, xsum, packed, dpm, out, n_chunks):
     """:func:`q4_q8_panel_range` over all N channels in ``n_chunks`` parallel
-    ranges. xq: int8[M, K]; xd, xsum: float32[M, K / 32]; qs: uint8[N, K / 2];
-    d, mn: float32[N, K / 32]; out: float32[M, N]; N a multiple of 16."""
+    ranges of whole panels (arguments as there)."""
     for c in prange(n_chunks):
-        lo, hi = _panels(c, n_chunks, qs.shape[0])
-        q4_q8_panel_range(xq, xd, xsum, qs, d, mn, out, lo, hi, False)
+        lo, hi = _panels(c, n_chunks, out.shape[1])
+        q4_q8_panel_range(xq, xd, xsum, packed, dpm, out, lo, hi, False)

@@ -31,32 +31,35 @@ def test_panel_equals_integer_reference(generic, ggml_type, k, m):
     x = activations(m, k, seed=m + 3)
     ref, bound = reference(x, ggml_type, w, codes)
     xq, xd, xsum = quantize_activations_q8(x)
+    packed, dpm = bdo.panels_of(w)
     out = np.full((m, N), np.nan, np.float32)
     # channels 16 .. 47 only: the first panel must stay untouched
-    vk.q4_q8_panel_range(xq, xd, xsum, w.qs, w.d, w.m, out, vk.LANES, N, generic)
+    vk.q4_q8_panel_range(xq, xd, xsum, packed, dpm, out, vk.LANES, N, generic)
     assert np.isnan(out[:, :vk.LANES]).all()
     got = out[:, vk.LANES:]
     err = np.abs(got - ref[:, vk.LANES:])
     assert (err <= bound[:, vk.LANES:]).all(), float((err / bound[:, vk.LANES:]).max())
 
 
-def test_repack_layout():
-    """Byte ((b * 8 + g) * 16 + c) * 4 + t of a panel is code 4 g + t of block b
-    of channel c; the scales are transposed per block."""
-    w, codes, _ = weight("Q4_1", vk.LANES, 64, seed=5)
-    nb = 2
-    panel = np.zeros(nb * vk.PANEL_BLOCK_BYTES, np.uint8)
-    dp = np.zeros((nb, vk.LANES), np.float32)
-    mp = np.zeros((nb, vk.LANES), np.float32)
-    vk.repack_q4_panel(w.qs, w.d, w.m, 0, panel, dp, mp)
-    grouped = panel.reshape(nb, 8, vk.LANES, 4)
-    expected = codes.reshape(vk.LANES, nb, 8, 4).transpose(1, 2, 0, 3)
-    np.testing.assert_array_equal(grouped, expected)
-    np.testing.assert_array_equal(dp, w.d.T)
-    np.testing.assert_array_equal(mp, w.m.T)
+def test_pack_layout():
+    """Byte (b * 4 + g) * 64 + 4 c + t of panel G holds codes 4 g + t (low
+    nibble) and 16 + 4 g + t (high) of block b of channel 16 G + c; the
+    scales follow per block, d then m."""
+    n, nb = 2 * vk.LANES, 3
+    w, codes, _ = weight("Q4_1", n, 32 * nb, seed=5)
+    packed, dpm = bdo.panels_of(w)
+    assert packed.shape == (2, nb * 256) and dpm.shape == (2, nb * 32)
+    grouped = packed.reshape(2, nb, 4, vk.LANES, 4).astype(np.int64)
+    blocks = codes.reshape(2, vk.LANES, nb, 2, 4, 4)  # G, c, b, half, g, t
+    np.testing.assert_array_equal(grouped & 15, blocks[:, :, :, 0].transpose(0, 2, 3, 1, 4))
+    np.testing.assert_array_equal(grouped >> 4, blocks[:, :, :, 1].transpose(0, 2, 3, 1, 4))
+    scales = dpm.reshape(2, nb, 2, vk.LANES)
+    np.testing.assert_array_equal(scales[:, :, 0], w.d.reshape(2, vk.LANES, nb).transpose(0, 2, 1))
+    np.testing.assert_array_equal(scales[:, :, 1], w.m.reshape(2, vk.LANES, nb).transpose(0, 2, 1))
+    assert bdo.panels_of(w)[0] is packed  # packed once per weight
 
 
-@pytest.mark.parametrize("m", [bdo.PANEL_MIN_ROWS, 33])
+@pytest.mark.parametrize("m", [1, 33])
 def test_linear_takes_panels_from_the_threshold(m, monkeypatch):
     """``linear_blocks_q8`` routes q4 products of ``PANEL_MIN_ROWS`` rows or
     more to the panels on a VNNI CPU (forced here, so the route is checked
@@ -74,6 +77,5 @@ def test_linear_takes_panels_from_the_threshold(m, monkeypatch):
     assert len(calls) == 1
     ref, bound = reference(x, "Q4_1", w, codes)
     assert (np.abs(y - ref) <= bound).all()
-    assert not bdo.uses_panels(w, bdo.PANEL_MIN_ROWS - 1)
     odd = weight("Q4_1", vk.LANES + 4, 64, seed=1)[0]
     assert not bdo.uses_panels(odd, 64)  # N not a multiple of 16: per-row kernels
