@@ -56,10 +56,9 @@ PANEL_MIN_ROWS = 1
 
 def uses_panels(w: BlockQuantizedWeight, rows: int) -> bool:
     """Whether a product of ``rows`` rows with ``w`` takes the VNNI panels:
-    a CPU with AVX512-VNNI, a q4 weight whose N is a multiple of 16, and at
+    a CPU with AVX512-VNNI, a weight whose N is a multiple of 16, and at
     least ``PANEL_MIN_ROWS`` rows."""
-    return (vk.HAS_VNNI and w.kind == "q4" and rows >= PANEL_MIN_ROWS
-            and w.shape[0] % vk.LANES == 0)
+    return vk.HAS_VNNI and rows >= PANEL_MIN_ROWS and w.shape[0] % vk.LANES == 0
 
 
 #: Packed panels of the weights that took them, by ``id(w.qs)`` (dropped
@@ -70,9 +69,10 @@ _PANELS_LOCK = threading.Lock()
 
 def panels_of(w: BlockQuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     """``(packed uint8[N / 16, K / 32 * 256], dpm float32[N / 16, K])``: the
-    q4 weight ``w`` packed for ``vnni_kernels`` (:func:`vnni_kernels.pack_q4_panels`),
-    built on first use and kept while ``w.qs`` lives: as many bytes again
-    as the codes, plus twice the scales. N must be a multiple of 16."""
+    q4 weight ``w`` packed for ``vnni_kernels`` (:func:`vnni_kernels.pack_q4_panels`;
+    a Q8_0 one: ``[N / 16, K / 32 * 512]``, ``pack_q8_panels``), built on
+    first use and kept while ``w.qs`` lives: as many bytes again as the
+    codes, plus twice the scales. N must be a multiple of 16."""
     key = id(w.qs)
     found = _PANELS.get(key)
     if found is not None:
@@ -80,9 +80,13 @@ def panels_of(w: BlockQuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     with _PANELS_LOCK:
         if key not in _PANELS:
             n, k = w.shape
-            packed = np.empty((n // vk.LANES, k // QK * vk.PANEL_BLOCK_BYTES), np.uint8)
+            width = k // QK * vk.PANEL_BLOCK_BYTES * (2 if w.kind == "q8" else 1)
+            packed = np.empty((n // vk.LANES, width), np.uint8)
             dpm = np.empty((n // vk.LANES, k), np.float32)
-            vk.pack_q4_panels(w.qs, w.d, w.m, packed, dpm)
+            if w.kind == "q8":
+                vk.pack_q8_panels(w.qs, w.d, packed, dpm)
+            else:
+                vk.pack_q4_panels(w.qs, w.d, w.m, packed, dpm)
             _PANELS[key] = (packed, dpm)
             weakref.finalize(w.qs, _PANELS.pop, key, None)
         return _PANELS[key]
@@ -146,9 +150,9 @@ def _run(xq, xd, xsum, w: BlockQuantizedWeight, out: np.ndarray, chunks: int) ->
     if uses_panels(w, xq.shape[0]):
         packed, dpm = panels_of(w)
         if chunks:
-            vk.q4_q8_panel_parallel(xq, xd, xsum, packed, dpm, out, chunks)
+            vk.panel_q8_parallel(xq, xd, xsum, packed, dpm, out, chunks)
         else:
-            vk.q4_q8_panel_range(xq, xd, xsum, packed, dpm, out, 0, n, False)
+            vk.panel_q8_range(xq, xd, xsum, packed, dpm, out, 0, n, False)
     elif w.kind == "q8":
         if chunks:
             bdk.q8_0_q8_gemv_parallel(xq, xd, w.qs, w.d, out, chunks)

@@ -24,7 +24,7 @@ per product, before its parallel region) and the products are the integer
 kernels ``q4_1_q8_gemv_range`` / ``q8_0_q8_gemv_range`` that
 ``block_dot_ops.linear_blocks_q8`` runs on the op path, or for ``Q4P``
 weights with ``panels`` the 16-channel VNNI panels
-(``vnni_kernels.q4_q8_panel_range``), as that op path does on a VNNI CPU;
+(``vnni_kernels.panel_q8_range``), as that op path does on a VNNI CPU;
 the chunks are then whole panels of 16 channels. With ``per_row``
 (``--batch-invariant``) dense products take ``f32_gemv_rows_range``, as the
 op path then does, so that a row's sums do not depend on the batch.
@@ -63,7 +63,7 @@ from kvserve.cpu.block_dot_kernels import (QK, q4_1_q8_gemv_range, q8_0_q8_gemv_
 from kvserve.cpu.block_kernels import q4_gemv_range, q8_gemv_range
 from kvserve.cpu.kernels import (_attend_tile, f32_gemv_range, f32_gemv_rows_range,
                                   quantize_kv_vector)
-from kvserve.cpu.vnni_kernels import LANES, q4_q8_panel_range
+from kvserve.cpu.vnni_kernels import LANES, panel_q8_range
 
 #: Weight kinds of the 7-tuples (``Q4P``: a q4 weight that also carries its
 #: VNNI panels, ``vnni_kernels.pack_q4_panels``).
@@ -108,7 +108,7 @@ def _product_range(x, xq8, act_q8, panels, per_row, w, out, lo, hi):
     and hi then multiples of 16)."""
     kind = w[0]
     if act_q8 and panels and kind == Q4P:
-        q4_q8_panel_range(xq8[0], xq8[1], xq8[2], w[4], w[2], out, lo, hi, False)
+        panel_q8_range(xq8[0], xq8[1], xq8[2], w[4], w[2], out, lo, hi, False)
     elif act_q8 and (kind == Q4 or kind == Q4P):
         q4_1_q8_gemv_range(xq8[0], xq8[1], xq8[2], w[3], w[5], w[6], out, lo, hi)
     elif act_q8 and kind == Q8:

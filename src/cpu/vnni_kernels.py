@@ -27,7 +27,9 @@ shifts for the nibbles (shared by a tile's rows), then per row 8
 ``vpdpbusd``, one conversion, one multiply and two FMAs: 12 instructions
 for 512 multiply-adds, against 6 for 32 per row in ``block_dot_kernels``.
 A tile of ``ROWS`` activation rows shares each load. No sum overflows:
-``|I| <= 32 * 15 * 127``.
+``|I| <= 32 * 15 * 127``. A Q8_0 weight (the LM head) takes the same
+kernel with its codes offset by 128 (:func:`pack_q8_panels`): 8 loads a
+block, no nibbles, ``|I| <= 32 * 255 * 127``.
 
 Where the CPU has no AVX512-VNNI (``CPU_HAS_VNNI`` False) the same code is
 built with a generic four-byte dot product (zero- and sign-extend,
@@ -110,6 +112,32 @@ def pack_q4_panels(qs, d, mn, packed, dpm):
                         packed[G, (4 * b + g) * 4 * LANES + 4 * c + t] = qs[n, 16 * b + 4 * g + t]
 
 
+@njit(nogil=True, cache=True)
+def pack_q8_panels(qs, d, packed, dpm):
+    """Pack a Q8_0 weight into panels of 16 channels for the panel kernels.
+
+    ``vpdpbusd`` multiplies unsigned bytes by signed ones, so the codes are
+    stored offset by 128 and the offset comes back through Q4_1's ``m``
+    term: ``sum_j (q_j + 128) x_j = I + 128 sum_j x_j``, so ``m = -128 d``
+    (``xsum = xd * sum_j x_j``). qs: int8[N, K], d: float32[N, K / 32], N a
+    multiple of 16. Writes packed: uint8[N / 16, K / 32 * 512] with byte
+    ``(b * 8 + g) * 64 + 4 c + t`` of row G = ``qs[16 G + c, 32 b + 4 g + t]
+    + 128``, and dpm: float32[N / 16, K] with ``[G, 32 b + c]`` = d and
+    ``[G, 32 b + 16 + c]`` = -128 d.
+    """
+    nb = d.shape[1]
+    for G in range(qs.shape[0] // LANES):
+        for c in range(LANES):
+            n = LANES * G + c
+            for b in range(nb):
+                dpm[G, 2 * LANES * b + c] = d[n, b]
+                dpm[G, 2 * LANES * b + LANES + c] = np.float32(-128.0) * d[n, b]
+                for g in range(8):
+                    for t in range(4):
+                        packed[G, (8 * b + g) * 4 * LANES + 4 * c + t] = np.uint8(
+                            np.int32(qs[n, QK * b + 4 * g + t]) + 128)
+
+
 # --------------------------------------------------------------------------- #
 # The tile: ROWS (or fewer) rows x 16 channels, the block loop in LLVM IR
 # --------------------------------------------------------------------------- #
@@ -147,7 +175,8 @@ def _tile_codegen(rows):
 
     Arguments (packed, dpm, xq, xd, xsum, out, m, n0, generic): packed
     uint8[N / 16, nb * 256] and dpm float32[N / 16, nb * 32]
-    (:func:`pack_q4_panels`), xq int8[M, K], xd, xsum float32[M, nb], out
+    (:func:`pack_q4_panels`; [N / 16, nb * 512] from :func:`pack_q8_panels`,
+    told apart by that width), xq int8[M, K], xd, xsum float32[M, nb], out
     float32[M, N], C-contiguous; n0 a multiple of 16; ``generic`` (bool)
     takes the generic dot product even where ``vpdpbusd`` exists.
     """
@@ -177,29 +206,41 @@ def _tile_codegen(rows):
         low_mask = ir.Constant(v64b, [15] * 64)
         four = ir.Constant(v64b, [4] * 64)
 
-        def block_loop(vnni):
+        # Q8_0 panels have twice the bytes per block of q4 ones
+        is_q8 = builder.icmp_unsigned("==", builder.extract_value(packed.shape, 1),
+                                      builder.mul(nb, nb.type(2 * PANEL_BLOCK_BYTES)))
+
+        def weight_pieces(b, q8):
+            """[(<16 x i32> codes, first code)] of block b: q4: 4 loads, each
+            split into low and high nibbles; q8: 8 loads."""
+            pieces = []
+            for g in range(8 if q8 else 4):
+                offset = builder.add(builder.mul(b, b.type(PANEL_BLOCK_BYTES * (2 if q8 else 1))),
+                                     b.type(g * 4 * LANES))
+                wptr = builder.bitcast(builder.gep(w_row, [offset]), v64b.as_pointer())
+                both = builder.load(wptr, align=1)
+                if q8:
+                    pieces.append((both, 4 * g))
+                else:
+                    pieces += [(builder.and_(both, low_mask), 4 * g),  # codes 4g + t
+                               (builder.lshr(both, four), 16 + 4 * g)]  # codes 16 + 4g + t
+            return pieces
+
+        def block_loop(vnni, q8):
             if vnni:
                 dpbusd = cgutils.get_or_insert_function(
                     module, ir.FunctionType(v16i, [v16i] * 3), "llvm.x86.avx512.vpdpbusd.512")
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
                 sums = [zero] * rows
-                for g in range(4):
-                    offset = builder.add(builder.mul(b, b.type(PANEL_BLOCK_BYTES)),
-                                         b.type(g * 4 * LANES))
-                    wptr = builder.bitcast(builder.gep(w_row, [offset]), v64b.as_pointer())
-                    both = builder.load(wptr, align=1)
-                    halves = ((builder.and_(both, low_mask), 4 * g),  # codes 4g + t
-                              (builder.lshr(both, four), 16 + 4 * g))  # codes 16 + 4g + t
-                    for codes, first in halves:
-                        w = builder.bitcast(codes, v16i)
-                        xo = builder.add(builder.mul(b, b.type(QK)), b.type(first))
-                        for r in range(rows):
-                            xptr = builder.bitcast(builder.gep(x_rows[r], [xo]),
-                                                   _i32.as_pointer())
-                            x = _splat_value(builder, builder.load(xptr, align=1), LANES)
-                            sums[r] = (builder.call(dpbusd, [sums[r], w, x]) if vnni
-                                       else _dot4_generic(builder, sums[r], w, x))
+                for codes, first in weight_pieces(b, q8):
+                    w = builder.bitcast(codes, v16i)
+                    xo = builder.add(builder.mul(b, b.type(QK)), b.type(first))
+                    for r in range(rows):
+                        xptr = builder.bitcast(builder.gep(x_rows[r], [xo]), _i32.as_pointer())
+                        x = _splat_value(builder, builder.load(xptr, align=1), LANES)
+                        sums[r] = (builder.call(dpbusd, [sums[r], w, x]) if vnni
+                                   else _dot4_generic(builder, sums[r], w, x))
                 scales = builder.mul(b, b.type(2 * LANES))
                 dvec = builder.load(builder.bitcast(builder.gep(s_row, [scales]),
                                                     v16f.as_pointer()), align=4)
@@ -216,14 +257,21 @@ def _tile_codegen(rows):
                                                  builder.load(accs[r])])
                     builder.store(builder.call(fmuladd, [mvec, xs_b, acc]), accs[r])
 
+        def both_kinds(vnni):
+            with builder.if_else(is_q8) as (q8, q4):
+                with q8:
+                    block_loop(vnni, True)
+                with q4:
+                    block_loop(vnni, False)
+
         if CPU_HAS_VNNI:
             with builder.if_else(args[8]) as (generic, vnni):
                 with generic:
-                    block_loop(False)
+                    both_kinds(False)
                 with vnni:
-                    block_loop(True)
+                    both_kinds(True)
         else:  # the "vnni" tiles fall back: no function here fails to compile
-            block_loop(False)
+            both_kinds(False)
         for r in range(rows):
             dst = builder.gep(row(out, ms[r]), [n0])
             builder.store(builder.load(accs[r]), builder.bitcast(dst, v16f.as_pointer()),
@@ -258,14 +306,16 @@ def _tile(rows, generic, packed, dpm, xq, xd, xsum, out, m, n0):
 
 
 @njit(nogil=True, cache=True)
-def q4_q8_panel_range(xq, xd, xsum, packed, dpm, out, lo, hi, generic=False):
+def panel_q8_range(xq, xd, xsum, packed, dpm, out, lo, hi, generic=False):
     """Channels [lo, hi) (multiples of 16) of ``out = x @ W.T`` for a q4
-    weight packed by :func:`pack_q4_panels` and Q8 activations: each panel's
+    weight packed by :func:`pack_q4_panels` (or a Q8_0 one by
+    :func:`pack_q8_panels`) and Q8 activations: each panel's
     rows in tiles of 4 (a last tile of 1 to 3 rows). ``generic``: the
     generic dot product even on a VNNI CPU.
 
     xq: int8[M, K]; xd, xsum: float32[M, K / 32]; packed: uint8[N / 16,
-    K / 32 * 256]; dpm: float32[N / 16, K]; out: float32[M, N].
+    K / 32 * 256] (q4) or [N / 16, K / 32 * 512] (Q8_0); dpm: float32[N / 16,
+    K]; out: float32[M, N].
     """
     M = xq.shape[0]
     tiled = M - M % ROWS
@@ -284,9 +334,9 @@ def _panels(c, n_chunks, n):
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def q4_q8_panel_parallel(xq, xd, xsum, packed, dpm, out, n_chunks):
-    """:func:`q4_q8_panel_range` over all N channels in ``n_chunks`` parallel
+def panel_q8_parallel(xq, xd, xsum, packed, dpm, out, n_chunks):
+    """:func:`panel_q8_range` over all N channels in ``n_chunks`` parallel
     ranges of whole panels (arguments as there)."""
     for c in prange(n_chunks):
         lo, hi = _panels(c, n_chunks, out.shape[1])
-        q4_q8_panel_range(xq, xd, xsum, packed, dpm, out, lo, hi, False)
+        panel_q8_range(xq, xd, xsum, packed, dpm, out, lo, hi, False)

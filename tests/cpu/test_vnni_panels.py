@@ -34,7 +34,7 @@ def test_panel_equals_integer_reference(generic, ggml_type, k, m):
     packed, dpm = bdo.panels_of(w)
     out = np.full((m, N), np.nan, np.float32)
     # channels 16 .. 47 only: the first panel must stay untouched
-    vk.q4_q8_panel_range(xq, xd, xsum, packed, dpm, out, vk.LANES, N, generic)
+    vk.panel_q8_range(xq, xd, xsum, packed, dpm, out, vk.LANES, N, generic)
     assert np.isnan(out[:, :vk.LANES]).all()
     got = out[:, vk.LANES:]
     err = np.abs(got - ref[:, vk.LANES:])
@@ -61,21 +61,42 @@ def test_pack_layout():
 
 @pytest.mark.parametrize("m", [1, 33])
 def test_linear_takes_panels_from_the_threshold(m, monkeypatch):
-    """``linear_blocks_q8`` routes q4 products of ``PANEL_MIN_ROWS`` rows or
-    more to the panels on a VNNI CPU (forced here, so the route is checked
-    everywhere: off VNNI the panels build the generic dot product), in
-    parallel chunks of whole panels, and equals the reference."""
+    """``linear_blocks_q8`` routes products to the panels on a VNNI CPU
+    (forced here, so the route is checked everywhere: off VNNI the panels
+    build the generic dot product), serial or in parallel chunks of whole
+    panels, and equals the reference."""
     monkeypatch.setattr(vk, "HAS_VNNI", True)
     w, codes, _ = weight("Q4_1", 6 * vk.LANES, 576, seed=9)
     x = activations(m, 576, seed=m)
     calls = []
-    for name in ("q4_q8_panel_parallel", "q4_q8_panel_range"):
-        real = getattr(vk, name)
-        monkeypatch.setattr(vk, name, lambda *a, real=real, name=name:
-                            (calls.append(name), real(*a))[1])
+    real = bdo.panels_of
+    monkeypatch.setattr(bdo, "panels_of", lambda w: (calls.append(w), real(w))[1])
     y = bdo.linear_blocks_q8(x, w, num_threads=2)
-    assert len(calls) == 1
+    assert calls == [w]
     ref, bound = reference(x, "Q4_1", w, codes)
     assert (np.abs(y - ref) <= bound).all()
     odd = weight("Q4_1", vk.LANES + 4, 64, seed=1)[0]
     assert not bdo.uses_panels(odd, 64)  # N not a multiple of 16: per-row kernels
+
+
+@pytest.mark.parametrize("generic", [True, False])
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_q8_0_panel_equals_integer_reference(generic, m):
+    """A Q8_0 weight (the LM head) through the panels, codes offset by 128
+    and the offset taken back by ``m = -128 d``: the exact block sums,
+    within the float32 rounding of both terms (the offset's included)."""
+    k = 576
+    w, codes, _ = weight("Q8_0", N, k, seed=11)
+    x = activations(m, k, seed=m + 7)
+    ref, bound = reference(x, "Q8_0", w, codes)
+    xq, xd, xsum = quantize_activations_q8(x)
+    packed, dpm = bdo.panels_of(w)
+    assert packed.shape == (N // vk.LANES, k // 32 * 512)
+    out = np.empty((m, N), np.float32)
+    vk.panel_q8_range(xq, xd, xsum, packed, dpm, out, 0, N, generic)
+    nb = k // 32
+    offset_terms = (128 * np.abs(w.d[None].astype(np.float64) * xd[:, None])
+                    * np.abs(xq.astype(np.float64)).reshape(m, 1, nb, 32).sum(axis=3))
+    err = np.abs(out - ref)
+    assert (err <= bound + (nb + 4) * 2.0**-24 * 4 * offset_terms.sum(axis=2)).all()
+    assert err.max() > 0 or m == 1  # a real product, not a copy of the reference
