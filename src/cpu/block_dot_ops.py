@@ -69,8 +69,8 @@ _PANELS_LOCK = threading.Lock()
 
 def panels_of(w: BlockQuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     """``(packed uint8[N / 16, K / 32 * 256], dpm float32[N / 16, K])``: the
-    q4 weight ``w`` packed for ``vnni_kernels`` (:func:`vnni_kernels.pack_q4_panels`;
-    a Q8_0 one: ``[N / 16, K / 32 * 512]``, ``pack_q8_panels``), built on
+    q4 weight ``w`` packed for ``vnni_kernels`` (:func:`vnni_kernels.pack_panels`;
+    a Q8_0 one: ``[N / 16, K / 32 * 512]``), built on
     first use and kept while ``w.qs`` lives: as many bytes again as the
     codes, plus twice the scales. N must be a multiple of 16."""
     key = id(w.qs)
@@ -83,10 +83,7 @@ def panels_of(w: BlockQuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
             width = k // QK * vk.PANEL_BLOCK_BYTES * (2 if w.kind == "q8" else 1)
             packed = np.empty((n // vk.LANES, width), np.uint8)
             dpm = np.empty((n // vk.LANES, k), np.float32)
-            if w.kind == "q8":
-                vk.pack_q8_panels(w.qs, w.d, packed, dpm)
-            else:
-                vk.pack_q4_panels(w.qs, w.d, w.m, packed, dpm)
+            vk.pack_panels(w.qs, w.d, w.d if w.m is None else w.m, packed, dpm)
             _PANELS[key] = (packed, dpm)
             weakref.finalize(w.qs, _PANELS.pop, key, None)
         return _PANELS[key]

@@ -66,7 +66,7 @@ from kvserve.cpu.kernels import (_attend_tile, f32_gemv_range, f32_gemv_rows_ran
 from kvserve.cpu.vnni_kernels import LANES, panel_q8_range
 
 #: Weight kinds of the 7-tuples (``Q4P``: a q4 weight that also carries its
-#: VNNI panels, ``vnni_kernels.pack_q4_panels``).
+#: VNNI panels, ``vnni_kernels.pack_panels``).
 DENSE, Q4, Q8, Q4P = 0, 1, 2, 3
 
 

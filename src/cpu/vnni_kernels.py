@@ -15,7 +15,7 @@ and reduce it horizontally, so every (channel, row, block) costs a
 conversion, a scale and an FMA for 32 multiply-adds, and a lone row also
 unpacks the nibbles. Here a 512-bit vector holds 16 channels (llama.cpp
 does the same with its repacked ``Q4_0x8`` layouts). The weight is packed
-once (:func:`pack_q4_panels`, a byte permutation of ggml's blocks): for
+once (`pack_panels`, a byte permutation of ggml's blocks): for
 each panel of 16 channels and each block, 64 consecutive bytes hold bytes
 ``4g .. 4g + 3`` of the block for the 16 channels, 4 each, so that their
 low nibbles are codes ``4g .. 4g + 3`` and their high nibbles codes
@@ -28,7 +28,7 @@ shifts for the nibbles (shared by a tile's rows), then per row 8
 for 512 multiply-adds, against 6 for 32 per row in ``block_dot_kernels``.
 A tile of ``ROWS`` activation rows shares each load. No sum overflows:
 ``|I| <= 32 * 15 * 127``. A Q8_0 weight (the LM head) takes the same
-kernel with its codes offset by 128 (:func:`pack_q8_panels`): 8 loads a
+kernel with its codes offset by 128 (`pack_panels`): 8 loads a
 block, no nibbles, ``|I| <= 32 * 255 * 127``.
 
 Where the CPU has no AVX512-VNNI (``CPU_HAS_VNNI`` False) the same code is
@@ -89,53 +89,40 @@ HAS_VNNI = CPU_HAS_VNNI
 
 
 @njit(nogil=True, cache=True)
-def pack_q4_panels(qs, d, mn, packed, dpm):
-    """Pack a q4 weight into panels of 16 channels for the panel kernels.
+def pack_panels(qs, d, mn, packed, dpm):
+    """Pack a q4 or Q8_0 weight into panels of 16 channels for the panel kernels.
 
-    qs: uint8[N, K / 2] (ggml nibbles: byte i of a block holds code i in its
-    low nibble, code i + 16 in its high one); d, mn: float32[N, K / 32]; N a
-    multiple of 16. Writes packed: uint8[N / 16, K / 32 * 256] with byte
-    ``(b * 4 + g) * 64 + 4 c + t`` of row G = byte ``16 b + 4 g + t`` of
-    channel ``16 G + c`` (codes ``4 g + t`` and ``16 + 4 g + t`` of block b),
-    and dpm: float32[N / 16, K / 32 * 32] with ``[G, 32 b + c]`` = d and
-    ``[G, 32 b + 16 + c]`` = mn of that channel and block.
+    q4: qs uint8[N, K / 2] (ggml nibbles: byte i of a block holds code i in
+    its low nibble, code i + 16 in its high one), d and mn float32[N, K / 32].
+    Writes packed: uint8[N / 16, K / 32 * 256] with byte ``(b * 4 + g) * 64
+    + 4 c + t`` of row G = byte ``16 b + 4 g + t`` of channel ``16 G + c``
+    (codes ``4 g + t`` and ``16 + 4 g + t`` of block b).
+
+    Q8_0: qs int8[N, K], d float32[N, K / 32], mn ignored. ``vpdpbusd``
+    multiplies unsigned bytes by signed ones, so the codes are stored offset
+    by 128 and the offset comes back through Q4_1's ``m`` term:
+    ``sum_j (q_j + 128) x_j = I + 128 sum_j x_j``, so ``m = -128 d``
+    (``xsum = xd * sum_j x_j``). packed: uint8[N / 16, K / 32 * 512], byte
+    ``(b * 8 + g) * 64 + 4 c + t`` = ``qs[16 G + c, 32 b + 4 g + t] + 128``.
+
+    Both: dpm float32[N / 16, K] with ``[G, 32 b + c]`` = d and ``[G, 32 b +
+    16 + c]`` = m of that channel and block; N a multiple of 16.
     """
     nb = d.shape[1]
+    width = qs.shape[1] // nb  # bytes of a channel's block: 16 (q4) or 32 (Q8_0)
+    q8 = width == QK
     for G in range(qs.shape[0] // LANES):
         for c in range(LANES):
             n = LANES * G + c
             for b in range(nb):
                 dpm[G, 2 * LANES * b + c] = d[n, b]
-                dpm[G, 2 * LANES * b + LANES + c] = mn[n, b]
-                for g in range(4):
+                dpm[G, 2 * LANES * b + LANES + c] = np.float32(-128.0) * d[n, b] if q8 \
+                    else mn[n, b]
+                for g in range(width // 4):
                     for t in range(4):
-                        packed[G, (4 * b + g) * 4 * LANES + 4 * c + t] = qs[n, 16 * b + 4 * g + t]
-
-
-@njit(nogil=True, cache=True)
-def pack_q8_panels(qs, d, packed, dpm):
-    """Pack a Q8_0 weight into panels of 16 channels for the panel kernels.
-
-    ``vpdpbusd`` multiplies unsigned bytes by signed ones, so the codes are
-    stored offset by 128 and the offset comes back through Q4_1's ``m``
-    term: ``sum_j (q_j + 128) x_j = I + 128 sum_j x_j``, so ``m = -128 d``
-    (``xsum = xd * sum_j x_j``). qs: int8[N, K], d: float32[N, K / 32], N a
-    multiple of 16. Writes packed: uint8[N / 16, K / 32 * 512] with byte
-    ``(b * 8 + g) * 64 + 4 c + t`` of row G = ``qs[16 G + c, 32 b + 4 g + t]
-    + 128``, and dpm: float32[N / 16, K] with ``[G, 32 b + c]`` = d and
-    ``[G, 32 b + 16 + c]`` = -128 d.
-    """
-    nb = d.shape[1]
-    for G in range(qs.shape[0] // LANES):
-        for c in range(LANES):
-            n = LANES * G + c
-            for b in range(nb):
-                dpm[G, 2 * LANES * b + c] = d[n, b]
-                dpm[G, 2 * LANES * b + LANES + c] = np.float32(-128.0) * d[n, b]
-                for g in range(8):
-                    for t in range(4):
-                        packed[G, (8 * b + g) * 4 * LANES + 4 * c + t] = np.uint8(
-                            np.int32(qs[n, QK * b + 4 * g + t]) + 128)
+                        code = np.int32(qs[n, width * b + 4 * g + t])
+                        packed[G, (width // 4 * b + g) * 4 * LANES + 4 * c + t] = np.uint8(
+                            code + 128 if q8 else code)
 
 
 # --------------------------------------------------------------------------- #
@@ -175,7 +162,7 @@ def _tile_codegen(rows):
 
     Arguments (packed, dpm, xq, xd, xsum, out, m, n0, generic): packed
     uint8[N / 16, nb * 256] and dpm float32[N / 16, nb * 32]
-    (:func:`pack_q4_panels`; [N / 16, nb * 512] from :func:`pack_q8_panels`,
+    (`pack_panels`; [N / 16, nb * 512] from `pack_panels`,
     told apart by that width), xq int8[M, K], xd, xsum float32[M, nb], out
     float32[M, N], C-contiguous; n0 a multiple of 16; ``generic`` (bool)
     takes the generic dot product even where ``vpdpbusd`` exists.
@@ -308,8 +295,8 @@ def _tile(rows, generic, packed, dpm, xq, xd, xsum, out, m, n0):
 @njit(nogil=True, cache=True)
 def panel_q8_range(xq, xd, xsum, packed, dpm, out, lo, hi, generic=False):
     """Channels [lo, hi) (multiples of 16) of ``out = x @ W.T`` for a q4
-    weight packed by :func:`pack_q4_panels` (or a Q8_0 one by
-    :func:`pack_q8_panels`) and Q8 activations: each panel's
+    weight packed by `pack_panels` (or a Q8_0 one by
+    `pack_panels`) and Q8 activations: each panel's
     rows in tiles of 4 (a last tile of 1 to 3 rows). ``generic``: the
     generic dot product even on a VNNI CPU.
 
