@@ -101,7 +101,7 @@ def bench(args: argparse.Namespace) -> dict:
             vk.HAS_VNNI = False  # the per-row kernels
             y_q8 = bdo.linear_blocks_q8(x, w, num_threads=1)
             err = float(np.abs(y_q8 - y_float).max())
-            panels = vk.CPU_HAS_VNNI and w.kind == "q4" and n % vk.LANES == 0
+            panels = vk.CPU_HAS_VNNI and n % vk.LANES == 0
             for threads in args.threads:
                 load_before = os.getloadavg()
                 f_ms = best_ms(lambda: bo.linear_blocks(x, w, num_threads=threads),

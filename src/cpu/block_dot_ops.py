@@ -44,13 +44,14 @@ from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
 #: kernels stop paying: at 16 rows they measured 1.1-1.2x the float kernels,
 #: at 32 rows 0.9-1.05x (docs/benchmarks/2026-12-02-block-dot.json).
 Q8_MAX_ROWS = 16
-#: Fewest rows of a q4 product that take the 16-channel VNNI panels
+#: Fewest rows of a product that take the 16-channel VNNI panels
 #: (``kvserve.cpu.vnni_kernels``) on a CPU with AVX512-VNNI: they win from
-#: one row. Per layer of the default model's shapes (2 threads, Zen 5):
-#: 0.042 against 0.077 ms for the per-row kernels at 1 row, 0.144 against
-#: 0.662 at 16; 0.266 against 1.048 ms for the float kernels at 32 rows,
-#: 3.74 against 17.9 (dequantize + sgemm) at 512
-#: (docs/benchmarks/2026-12-03-vnni-panels.json).
+#: one row. A layer of the default model (its four products, 2 threads,
+#: Zen 5): 0.048 ms against 0.083 for the per-row kernels at 1 row, 0.155
+#: against 0.641 at 16; 0.275 against 1.065 ms for the float kernels at 32
+#: rows, 3.54 against 29.2 (dequantize + sgemm) at 512; the Q8_0 LM head
+#: 0.205 against 0.314 ms at 1 row, 2.50 against 10.3 (float) at 32
+#: (``tools/bench_block_dot.py``, docs/benchmarks/2026-12-03-vnni-panels.json).
 PANEL_MIN_ROWS = 1
 
 
