@@ -10,9 +10,9 @@ best of ``--repeats`` times of
 - ``kvserve.cpu.block_dot_ops.linear_blocks_q8`` (activations quantized to
   Q8 blocks, integer dot products; the quantization is inside the timing)
   with the per-row kernels of ``block_dot_kernels`` (``q8_dot_ms``), and
-- the same with the 16-channel VNNI panels of ``kvserve.cpu.vnni_kernels``
-  (``q8_panels_ms``; the weight's packing is outside the timing, as the
-  server packs once), only on a CPU with AVX512-VNNI,
+- the same with the panels of ``kvserve.cpu.panel_kernels`` (``q8_panels_ms``;
+  the weight's packing is outside the timing, as the server packs once),
+  only on a CPU with their dot product (AVX512-VNNI; AVX2 for q4 weights),
 
 with ``os.getloadavg()`` before and after each row (the 2-core machine is
 shared). Also the error of the Q8 path against the float one on the same
@@ -46,7 +46,7 @@ import numpy as np
 from kvserve.cpu import block_dot_kernels as bdk
 from kvserve.cpu import block_dot_ops as bdo
 from kvserve.cpu import block_ops as bo
-from kvserve.cpu import vnni_kernels as vk
+from kvserve.cpu import panel_kernels as pk
 from kvserve.cpu.kernels import CHEAP_PARALLEL_REGIONS
 from kvserve.cpu.parallel import PARALLEL_MIN_MACS, parallel_chunks
 from kvserve.model import ggml_blocks as gb
@@ -98,18 +98,19 @@ def bench(args: argparse.Namespace) -> dict:
         for m in args.rows:
             x = rng.standard_normal((m, k)).astype(np.float32)
             y_float = bo.linear_blocks(x, w, num_threads=1)
-            vk.HAS_VNNI = False  # the per-row kernels
+            pk.HAS_PANELS = pk.HAS_Q8_PANELS = False  # the per-row kernels
             y_q8 = bdo.linear_blocks_q8(x, w, num_threads=1)
             err = float(np.abs(y_q8 - y_float).max())
-            panels = vk.CPU_HAS_VNNI and n % vk.LANES == 0
+            panels = (pk.CPU_DOT == "vnni" or pk.CPU_DOT and w.kind == "q4") \
+                and n % pk.LANES == 0
             for threads in args.threads:
                 load_before = os.getloadavg()
                 f_ms = best_ms(lambda: bo.linear_blocks(x, w, num_threads=threads),
                                args.repeats, args.budget)
-                vk.HAS_VNNI = False
+                pk.HAS_PANELS = pk.HAS_Q8_PANELS = False
                 q_ms = best_ms(lambda: bdo.linear_blocks_q8(x, w, num_threads=threads),
                                args.repeats, args.budget)
-                vk.HAS_VNNI = vk.CPU_HAS_VNNI
+                pk.HAS_PANELS, pk.HAS_Q8_PANELS = pk.CPU_DOT is not None, pk.CPU_DOT == "vnni"
                 p_ms = best_ms(lambda: bdo.linear_blocks_q8(x, w, num_threads=threads),
                                args.repeats, args.budget) if panels else None
                 row = {"product": label, "ggml_type": w.ggml_type, "N": n, "K": k, "M": m,

@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 from numba.core.registry import CPUDispatcher  # noqa: E402
 
 from kvserve.cpu import (block_dot_kernels, block_kernels, decode_layer, int8,  # noqa: E402
-                         kernels, prefill_attention, quant_kernels, vnni_kernels)
+                         kernels, prefill_attention, quant_kernels, panel_kernels)
 from kvserve.cpu.decode_path import ENV  # noqa: E402
 from kvserve.cpu.ops import CpuOps  # noqa: E402
 from kvserve.model.default_model import ensure_default_model  # noqa: E402
@@ -57,7 +57,7 @@ from kvserve.model.quantization import BLOCK_SCHEMES  # noqa: E402
 from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights  # noqa: E402
 
 KERNEL_MODULES = (kernels, block_kernels, block_dot_kernels, quant_kernels, int8,
-                  prefill_attention, decode_layer, vnni_kernels)
+                  prefill_attention, decode_layer, panel_kernels)
 BLOCK_SIZE = 16
 
 

@@ -12,8 +12,9 @@ the codes is scaled by ``d_w * d_x`` (``ggml_vec_dot_q4_0_q8_0``,
 matmul: the activation codes carry a relative error of up to ``1 / 254`` of
 each block's largest magnitude (see ``tests/cpu/test_block_dot.py``).
 
-On a CPU with AVX512-VNNI a q4 weight (N a multiple of 16) takes the
-16-channel panels of ``kvserve.cpu.vnni_kernels`` for every row count,
+On a CPU with AVX2 or AVX512-VNNI a q4 weight (N a multiple of
+``panel_kernels.LANES``; a Q8_0 one with VNNI) takes the panels of
+``kvserve.cpu.panel_kernels`` for every row count,
 prefill included, packed once per weight (:func:`panels_of`). Otherwise
 every row count takes the per-channel kernels, which read each weight byte
 once per ``ROW_TILE`` rows. Products of at least
@@ -34,7 +35,7 @@ import weakref
 import numpy as np
 
 from kvserve.cpu import block_dot_kernels as bdk
-from kvserve.cpu import vnni_kernels as vk
+from kvserve.cpu import panel_kernels as pk
 from kvserve.cpu.block_ops import check_operands
 from kvserve.cpu.parallel import PARALLEL_REGION, check_array, parallel_chunks
 from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
@@ -44,22 +45,27 @@ from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
 #: kernels stop paying: at 16 rows they measured 1.1-1.2x the float kernels,
 #: at 32 rows 0.9-1.05x (docs/benchmarks/2026-12-02-block-dot.json).
 Q8_MAX_ROWS = 16
-#: Fewest rows of a product that take the 16-channel VNNI panels
-#: (``kvserve.cpu.vnni_kernels``) on a CPU with AVX512-VNNI: they win from
-#: one row. A layer of the default model (its four products, 2 threads,
-#: Zen 5): 0.048 ms against 0.083 for the per-row kernels at 1 row, 0.155
-#: against 0.641 at 16; 0.275 against 1.065 ms for the float kernels at 32
-#: rows, 3.54 against 29.2 (dequantize + sgemm) at 512; the Q8_0 LM head
-#: 0.205 against 0.314 ms at 1 row, 2.50 against 10.3 (float) at 32
-#: (``tools/bench_block_dot.py``, docs/benchmarks/2026-12-03-vnni-panels.json).
+#: Fewest rows of a product that take the panels of
+#: ``kvserve.cpu.panel_kernels``: they win from one row, with AVX512-VNNI
+#: (16 channels) and with AVX2 alone (8). With VNNI, a layer of the default
+#: model (its four products, 2 threads, Zen 5): 0.048 ms against 0.083 for
+#: the per-row kernels at 1 row, 0.155 against 0.641 at 16; 0.275 against
+#: 1.065 ms for the float kernels at 32 rows, 3.54 against 29.2 (dequantize
+#: + sgemm) at 512; the Q8_0 LM head 0.205 against 0.314 ms at 1 row, 2.50
+#: against 10.3 (float) at 32 (``tools/bench_block_dot.py``,
+#: docs/benchmarks/2026-12-03-vnni-panels.json). With AVX2 alone (the same
+#: machine compiling for Zen 2): 0.059 against 0.085 ms at 1 row, 0.625
+#: against 1.171 ms (float) at 32 (docs/benchmarks/2026-12-03-avx2-panels.json).
 PANEL_MIN_ROWS = 1
 
 
 def uses_panels(w: BlockQuantizedWeight, rows: int) -> bool:
-    """Whether a product of ``rows`` rows with ``w`` takes the VNNI panels:
-    a CPU with AVX512-VNNI, a weight whose N is a multiple of 16, and at
-    least ``PANEL_MIN_ROWS`` rows."""
-    return vk.HAS_VNNI and rows >= PANEL_MIN_ROWS and w.shape[0] % vk.LANES == 0
+    """Whether a product of ``rows`` rows with ``w`` takes the panels of
+    ``panel_kernels``: a CPU with their fast dot product (``HAS_PANELS``; for
+    a Q8_0 weight AVX512-VNNI, ``HAS_Q8_PANELS``), a weight whose N is a
+    multiple of ``LANES``, and at least ``PANEL_MIN_ROWS`` rows."""
+    fast = pk.HAS_Q8_PANELS if w.kind == "q8" else pk.HAS_PANELS
+    return fast and rows >= PANEL_MIN_ROWS and w.shape[0] % pk.LANES == 0
 
 
 #: Packed panels of the weights that took them, by ``id(w.qs)`` (dropped
@@ -69,11 +75,12 @@ _PANELS_LOCK = threading.Lock()
 
 
 def panels_of(w: BlockQuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
-    """``(packed uint8[N / 16, K / 32 * 256], dpm float32[N / 16, K])``: the
-    q4 weight ``w`` packed for ``vnni_kernels`` (:func:`vnni_kernels.pack_panels`;
-    a Q8_0 one: ``[N / 16, K / 32 * 512]``), built on
-    first use and kept while ``w.qs`` lives: as many bytes again as the
-    codes, plus twice the scales. N must be a multiple of 16."""
+    """``(packed uint8[N / L, K / 32 * 16 L], dpm float32[N / L, K / 32 * 2 L])``
+    (L = ``panel_kernels.LANES``): the q4 weight ``w`` packed for
+    ``panel_kernels`` (:func:`panel_kernels.pack_panels`; a Q8_0 one: packed
+    ``[N / L, K / 32 * 32 L]``), built on first use and kept while ``w.qs``
+    lives: as many bytes again as the codes, plus twice the scales. N must
+    be a multiple of L."""
     key = id(w.qs)
     found = _PANELS.get(key)
     if found is not None:
@@ -81,10 +88,10 @@ def panels_of(w: BlockQuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     with _PANELS_LOCK:
         if key not in _PANELS:
             n, k = w.shape
-            width = k // QK * vk.PANEL_BLOCK_BYTES * (2 if w.kind == "q8" else 1)
-            packed = np.empty((n // vk.LANES, width), np.uint8)
-            dpm = np.empty((n // vk.LANES, k), np.float32)
-            vk.pack_panels(w.qs, w.d, w.d if w.m is None else w.m, packed, dpm)
+            width = k // QK * pk.PANEL_BLOCK_BYTES * (2 if w.kind == "q8" else 1)
+            packed = np.empty((n // pk.LANES, width), np.uint8)
+            dpm = np.empty((n // pk.LANES, k // QK * 2 * pk.LANES), np.float32)
+            pk.pack_panels(w.qs, w.d, w.d if w.m is None else w.m, packed, dpm)
             _PANELS[key] = (packed, dpm)
             weakref.finalize(w.qs, _PANELS.pop, key, None)
         return _PANELS[key]
@@ -148,9 +155,9 @@ def _run(xq, xd, xsum, w: BlockQuantizedWeight, out: np.ndarray, chunks: int) ->
     if uses_panels(w, xq.shape[0]):
         packed, dpm = panels_of(w)
         if chunks:
-            vk.panel_q8_parallel(xq, xd, xsum, packed, dpm, out, chunks)
+            pk.panel_q8_parallel(xq, xd, xsum, packed, dpm, out, chunks)
         else:
-            vk.panel_q8_range(xq, xd, xsum, packed, dpm, out, 0, n, False)
+            pk.panel_q8_range(xq, xd, xsum, packed, dpm, out, 0, n, pk.DOT_FAST)
     elif w.kind == "q8":
         if chunks:
             bdk.q8_0_q8_gemv_parallel(xq, xd, w.qs, w.d, out, chunks)

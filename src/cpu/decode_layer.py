@@ -23,9 +23,9 @@ first quantized to Q8 blocks (``block_dot_kernels.quantize_q8_blocks``, once
 per product, before its parallel region) and the products are the integer
 kernels ``q4_1_q8_gemv_range`` / ``q8_0_q8_gemv_range`` that
 ``block_dot_ops.linear_blocks_q8`` runs on the op path, or for ``Q4P``
-weights with ``panels`` the 16-channel VNNI panels
-(``vnni_kernels.panel_q8_range``), as that op path does on a VNNI CPU;
-the chunks are then whole panels of 16 channels. With ``per_row``
+weights with ``panels`` the panels of ``panel_kernels.LANES`` channels
+(``panel_kernels.panel_q8_range``), as that op path does on a CPU with
+their dot product; the chunks are then whole panels. With ``per_row``
 (``--batch-invariant``) dense products take ``f32_gemv_rows_range``, as the
 op path then does, so that a row's sums do not depend on the batch.
 
@@ -63,10 +63,10 @@ from kvserve.cpu.block_dot_kernels import (QK, q4_1_q8_gemv_range, q8_0_q8_gemv_
 from kvserve.cpu.block_kernels import q4_gemv_range, q8_gemv_range
 from kvserve.cpu.kernels import (_attend_tile, f32_gemv_range, f32_gemv_rows_range,
                                   quantize_kv_vector)
-from kvserve.cpu.vnni_kernels import LANES, panel_q8_range
+from kvserve.cpu.panel_kernels import DOT_FAST, LANES, panel_q8_range
 
 #: Weight kinds of the 7-tuples (``Q4P``: a q4 weight that also carries its
-#: VNNI panels, ``vnni_kernels.pack_panels``).
+#: panels, ``panel_kernels.pack_panels``).
 DENSE, Q4, Q8, Q4P = 0, 1, 2, 3
 
 
@@ -104,11 +104,11 @@ def _q8_operand(x, act_q8, unused):
 def _product_range(x, xq8, act_q8, panels, per_row, w, out, lo, hi):
     """out[:, lo:hi] = x @ W[lo:hi].T; with ``act_q8`` a block weight takes
     the Q8-activation integer kernels on ``xq8 = _q8_operand(x, True)``,
-    a ``Q4P`` one the VNNI panels of ``vnni_kernels`` when ``panels`` (lo
+    a ``Q4P`` one the panels of ``panel_kernels`` when ``panels`` (lo
     and hi then multiples of 16)."""
     kind = w[0]
     if act_q8 and panels and kind == Q4P:
-        panel_q8_range(xq8[0], xq8[1], xq8[2], w[4], w[2], out, lo, hi, False)
+        panel_q8_range(xq8[0], xq8[1], xq8[2], w[4], w[2], out, lo, hi, DOT_FAST)
     elif act_q8 and (kind == Q4 or kind == Q4P):
         q4_1_q8_gemv_range(xq8[0], xq8[1], xq8[2], w[3], w[5], w[6], out, lo, hi)
     elif act_q8 and kind == Q8:
@@ -230,8 +230,8 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
             op path's when batch-invariant.
         kv_scales: None (float32 caches), or a typed List of the int8 caches'
             float32 views (``cache.view(np.float32)``), one per layer.
-        panels: with ``act_q8``, q4 products take the 16-channel VNNI panels
-            (``vnni_kernels``; the caller checks the CPU, the row count and
+        panels: with ``act_q8``, q4 products take the panels
+            (``panel_kernels``; the caller checks the CPU, the row count and
             that every q4 weight's N is a multiple of 16).
 
     Unchecked: the caller (``decode_path``) checks positions, slots, block

@@ -37,7 +37,7 @@ import numpy as np
 
 from kvserve.cpu import decode_layer as dl
 from kvserve.cpu import block_dot_ops
-from kvserve.cpu import vnni_kernels as vk
+from kvserve.cpu import panel_kernels as pk
 from kvserve.cpu.block_dot_ops import Q8_MAX_ROWS
 from kvserve.cpu.block_ops import check_weight
 from kvserve.cpu.parallel import PARALLEL_REGION
@@ -86,10 +86,10 @@ class _Prepared:
                                       cfg.head_dim)
         self.eps = float(cfg.rms_norm_eps)
         self.act_q8 = False  # set by _weight: a block weight with Q8 activations
-        # w4a8's q4 weights as VNNI panels of 16 channels: every product's N,
+        # w4a8's q4 weights as panels of LANES channels: every product's N,
         # and each half of gate_up, a whole number of panels
         hd, inter = cfg.head_dim, cfg.intermediate_size
-        self.panels_ok = vk.HAS_VNNI and all(n % vk.LANES == 0 for n in (
+        self.panels_ok = pk.HAS_PANELS and all(n % pk.LANES == 0 for n in (
             cfg.hidden_size, inter, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd))
         self.scale = np.float32(model.scale)
         self.layers = None

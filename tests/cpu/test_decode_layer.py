@@ -242,13 +242,13 @@ def test_w4a8_fused_decode_matches_q8_op_path(w4a8_models, seqs, monkeypatch):
 
 
 def test_w4a8_fused_decode_with_panels_matches_op_path(tmp_path, monkeypatch):
-    """Where a w4a8 step takes the 16-channel VNNI panels (``vnni_kernels``;
-    from ``PANEL_MIN_ROWS`` rows, lowered to 1 here so that three tiny
-    sequences take them, and forced on so that a CPU without VNNI runs the
-    generic dot product through the same route), the fused step is called
-    with ``panels`` and matches the op path, which takes the panels too."""
-    from kvserve.cpu import block_dot_ops, vnni_kernels
-    monkeypatch.setattr(vnni_kernels, "HAS_VNNI", True)
+    """Where a w4a8 step takes the panels of ``panel_kernels`` (from
+    ``PANEL_MIN_ROWS`` rows, lowered to 1 here so that three tiny sequences
+    take them, and forced on so that a CPU without AVX2 runs the generic dot
+    product through the same route), the fused step is called with
+    ``panels`` and matches the op path, which takes the panels too."""
+    from kvserve.cpu import block_dot_ops, panel_kernels
+    monkeypatch.setattr(panel_kernels, "HAS_PANELS", True)
     monkeypatch.setattr(block_dot_ops, "PANEL_MIN_ROWS", 1)
     config, weights = load_tiny(tmp_path, SPECS[0])
     w4a8 = LlamaModel(config, _blocks(weights), CpuOps(num_threads=2), "w4a8")

@@ -28,7 +28,7 @@ PPL_BOUND = {"int8": 0.03, "w8a8": 0.06, "q4": 0.03, "w4a8": 0.03}
 #: The bounds leave about three tokens of slack. q4 serves the GGUF's blocks
 #: that the float checkpoint was dequantized from, so it should agree with
 #: float up to summation order: measured 1.000, perplexity 22.476 (+0.00%).
-#: w4a8 (Q8 activations in every product on a CPU with AVX512-VNNI, as
+#: w4a8 (Q8 activations in every product on a CPU with AVX2, as
 #: llama.cpp's; prompt passes float elsewhere), measured 2026-12-03 on a
 #: VNNI CPU: agreement 0.987, perplexity 22.604 (+0.57%).
 AGREEMENT_BOUND = {"none": 0.99, "int8": 0.95, "w8a8": 0.95, "q4": 0.99, "w4a8": 0.95}
