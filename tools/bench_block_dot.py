@@ -176,7 +176,11 @@ def machine() -> dict:
     return {"cpu": model, "llvm_cpu": llvm.get_host_cpu_name(),
             "isa": {f: f" {f}" in flags for f in ("avx2", "fma", "avx512f", "avx512_vnni",
                                                   "avx_vnni")},
-            "block_dot_avx2_intrinsics": bdk.HAS_AVX2, "cores": os.cpu_count(),
+            "block_dot_avx2_intrinsics": bdk.HAS_AVX2,
+            # NUMBA_CPU_NAME / _FEATURES compile for another CPU than the host's
+            "numba_target": {"cpu_name": numba.config.CPU_NAME,
+                             "cpu_features": numba.config.CPU_FEATURES},
+            "panel_dot": pk.CPU_DOT, "panel_lanes": pk.LANES, "cores": os.cpu_count(),
             "numba": numba.__version__, "numba_threads": numba.config.NUMBA_NUM_THREADS,
             "threading_layer_cheap_regions": CHEAP_PARALLEL_REGIONS,
             "parallel_min_macs": PARALLEL_MIN_MACS}

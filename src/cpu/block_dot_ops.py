@@ -54,8 +54,9 @@ Q8_MAX_ROWS = 16
 #: + sgemm) at 512; the Q8_0 LM head 0.205 against 0.314 ms at 1 row, 2.50
 #: against 10.3 (float) at 32 (``tools/bench_block_dot.py``,
 #: docs/benchmarks/2026-12-03-vnni-panels.json). With AVX2 alone (the same
-#: machine compiling for Zen 2): 0.059 against 0.085 ms at 1 row, 0.625
-#: against 1.171 ms (float) at 32 (docs/benchmarks/2026-12-03-avx2-panels.json).
+#: machine compiling for Zen 2, panels of 8): 0.056 against 0.085 ms at 1
+#: row, 0.674 against 1.423 ms (float) at 32, 9.48 against 19.2 (per-row)
+#: at 512 (docs/benchmarks/2026-12-03-avx2-panels.json).
 PANEL_MIN_ROWS = 1
 
 
