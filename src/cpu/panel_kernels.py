@@ -69,6 +69,7 @@ from numba.core import cgutils
 from numba.core import config as numba_config
 from numba.core.extending import intrinsic
 
+
 def _target_features() -> dict[str, bool]:
     """The CPU features Numba compiles for (``NUMBA_CPU_FEATURES`` when set)."""
     if numba_config.CPU_NAME or numba_config.CPU_FEATURES:
