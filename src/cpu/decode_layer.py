@@ -105,7 +105,7 @@ def _product_range(x, xq8, act_q8, panels, per_row, w, out, lo, hi):
     """out[:, lo:hi] = x @ W[lo:hi].T; with ``act_q8`` a block weight takes
     the Q8-activation integer kernels on ``xq8 = _q8_operand(x, True)``,
     a ``Q4P`` one the panels of ``panel_kernels`` when ``panels`` (lo
-    and hi then multiples of 16)."""
+    and hi then multiples of ``LANES``)."""
     kind = w[0]
     if act_q8 and panels and kind == Q4P:
         panel_q8_range(xq8[0], xq8[1], xq8[2], w[4], w[2], out, lo, hi, DOT_FAST)
@@ -119,8 +119,8 @@ def _product_range(x, xq8, act_q8, panels, per_row, w, out, lo, hi):
 
 @njit(nogil=True, cache=True)
 def _span(c, n_chunks, n, panels=False):
-    """Channels [lo, hi) of chunk c of n, in whole groups of four (of 16 with
-    ``panels``), spread evenly."""
+    """Channels [lo, hi) of chunk c of n, in whole groups of four (of
+    ``LANES`` with ``panels``), spread evenly."""
     size = LANES if panels else 4
     groups = (n + size - 1) // size
     lo = c * groups // n_chunks * size
@@ -232,7 +232,7 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
             float32 views (``cache.view(np.float32)``), one per layer.
         panels: with ``act_q8``, q4 products take the panels
             (``panel_kernels``; the caller checks the CPU, the row count and
-            that every q4 weight's N is a multiple of 16).
+            that every q4 weight's N is a multiple of ``LANES``).
 
     Unchecked: the caller (``decode_path``) checks positions, slots, block
     ids and seq_lens against the cache and the tables.
