@@ -150,14 +150,17 @@ def _add_engine_args(g: dict[str, argparse._ArgumentGroup], log_level: str = "in
     model.add_argument("--dtype", default="auto", choices=DTYPES,
                        help="weights, activations and KV cache: auto = float32 on the CPU, "
                             "float16 on a GPU")
-    model.add_argument("--quantization", "-q", default="none",
-                       choices=["none", "int8", "w8a8", "q4", "w4a8"],
-                       help="int8: int8 weights with per-channel scales, float activations; "
+    model.add_argument("--quantization", "-q", default="auto",
+                       choices=["auto", "none", "int8", "w8a8", "q4", "w4a8"],
+                       help="auto: what the file holds (a .gguf or a GGUF model name: its own "
+                            "blocks, w4a8 on the CPU; a folder: none); int8: int8 weights with "
+                            "per-channel scales, float activations; "
                             "w8a8: also int8 activations per token (for both, embeddings, norms "
                             "and the LM head stay float); q4: serve the model's GGUF blocks "
-                            "(Q4_0/Q4_1/Q8_0, LM head included) as shipped; w4a8: q4 with "
-                            "activations quantized to int8 blocks in CPU decode steps "
-                            "(llama.cpp's scheme, fastest on a CPU)")
+                            "(Q4_0/Q4_1/Q8_0/Q5_0, LM head included) as shipped; w4a8: q4 with "
+                            "activations quantized to int8 blocks "
+                            "(llama.cpp's scheme, fastest on a CPU); K-quants (Q4_K, Q5_K, "
+                            "Q6_K) always take Q8_K activations")
     model.add_argument("--max-model-len", type=POSITIVE_INT, default=None,
                        help="longest prompt + output in tokens; more than the model's context "
                             "or than the KV cache holds is refused at start-up (default: the "
@@ -284,6 +287,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.backend == "auto" and (args.batch_invariant or args.quantization == "w4a8"):
         args.backend = "cpu"  # both are the CPU backend's kernels: no GPU probe
     args.backend = resolve_backend(args.backend)
+    args.quantization = default_quantization(args.quantization, args.model, args.backend)
     if args.backend == "cuda":
         from kvserve.cuda.backend import check_available
         check_available()
@@ -332,6 +336,24 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                             pp_layer_partition=getattr(args, "pp_layer_partition", None),
                             ray_address=getattr(args, "ray_address", None)))
+
+
+def default_quantization(quantization: str, model: str | None, backend: str) -> str:
+    """``--quantization``, with ``auto`` resolved: a GGUF file (or a folder of
+    one, or a registered GGUF name) is served on its own blocks, ``w4a8`` on
+    the CPU (``none`` on a GPU: dequantized in memory); anything else, the
+    default model included, ``none``."""
+    if quantization != "auto":
+        return quantization
+    from kvserve.model.gguf_model import gguf_file_of, is_model_name
+
+    if model is None:
+        return "none"
+    try:
+        is_gguf = is_model_name(model) or gguf_file_of(model) is not None
+    except ValueError:
+        is_gguf = False
+    return "w4a8" if is_gguf and backend == "cpu" else "none"
 
 
 def _default_model_folder() -> Path:
@@ -915,8 +937,9 @@ def model_folder_problem(model: str) -> str | None:
     (or a folder holding one ``.gguf`` and no ``config.json``) are accepted:
     they are fetched or converted on first use, and the converter's errors
     are one line too (``ConversionError``). Otherwise only the layout is
-    checked (a folder with ``config.json``, ``*.safetensors`` and
-    ``tokenizer.json``); the contents are the loader's."""
+    checked (a folder with ``config.json``, ``*.safetensors`` (or the
+    ``.gguf`` it is served from) and ``tokenizer.json``); the contents are
+    the loader's."""
     from kvserve.model.gguf_model import gguf_file_of, is_model_name
     from kvserve.model.loader import SUPPORTED_MODEL_TYPES
 
@@ -945,7 +968,7 @@ def model_folder_problem(model: str) -> str | None:
         return f"--model {model} is a file, not a folder; {accepts}"
     missing = [name for name, found in (
         ("config.json", (path / "config.json").is_file()),
-        ("*.safetensors", any(path.glob("*.safetensors"))),
+        ("*.safetensors", any(path.glob("*.safetensors")) or any(path.glob("*.gguf"))),
         ("tokenizer.json", (path / "tokenizer.json").is_file())) if not found]
     if missing:
         return f"--model {model}: no {', '.join(missing)} in this folder; {accepts}"

@@ -28,8 +28,7 @@ from kvserve.core.plan import (KVCachePlan, cap_to_cache, count_parameters, plan
 from kvserve.model.backend import Backend, create_backend
 from kvserve.model.drafter import DraftProposer, load_draft_model
 from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights
-from kvserve.model.quantization import BLOCK_SCHEMES
+from kvserve.model.loader import load_checkpoint_weights, load_model_config
 from kvserve.model.runner import ModelRunner, profile_forward
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.observability.log import LoadProgress
@@ -290,9 +289,11 @@ def _load_checkpoint(config: EngineConfig) -> tuple[Path, ModelConfig, Tokenizer
     ``--chat-template`` text, when given); logs ``engine_loading`` first.
     Raises what the loader raises (a missing or unreadable checkpoint)."""
     path = Path(config.model)
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.gguf"))
+    what = "GGUF" if files and files[0].suffix == ".gguf" else "safetensors"
     log.info("engine_loading", model=str(path), message=f"Loading {path.name} "
-             f"({sum(p.stat().st_size for p in path.glob('*.safetensors')) / 2**20:,.1f} MiB "
-             f"of safetensors) on the {config.backend} backend...")
+             f"({sum(p.stat().st_size for p in files) / 2**20:,.1f} MiB of {what}) on the "
+             f"{config.backend} backend...")
     # ``EngineConfig.chat_template`` (``--chat-template``) replaces the checkpoint's.
     return path, load_model_config(path), Tokenizer(path, config.chat_template)
 
@@ -300,12 +301,10 @@ def _load_checkpoint(config: EngineConfig) -> tuple[Path, ModelConfig, Tokenizer
 def _load_model(config: EngineConfig, path: Path, model_config: ModelConfig,
                 tokenizer: Tokenizer, backend: Backend) -> _LoadedModel:
     """The weights on the backend (``--quantization`` applied; GGUF blocks
-    for ``q4``), the model over them and the speculative draft model when
+    for ``q4`` / ``w4a8``, and for a folder served from its GGUF), the model over them and the speculative draft model when
     one is configured; logs ``quantization`` for a quantized model."""
-    weights = load_weights(path, model_config, dtype=None)
-    float_bytes = sum(array.size for array in weights.values()) * backend.dtype.itemsize
-    if config.quantization in BLOCK_SCHEMES:
-        weights.update(load_gguf_blocks(path, model_config))
+    weights = load_checkpoint_weights(path, model_config, config.quantization)
+    float_bytes = count_parameters(path, model_config) * backend.dtype.itemsize
     model = LlamaModel(model_config, weights, backend.ops, config.quantization)
     del weights
     spec = config.scheduler.speculative

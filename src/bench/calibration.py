@@ -12,6 +12,9 @@ fixed measurements, best of ``repeats``, each a few hundred milliseconds:
   which bounds a decode step that reads every weight once.
 - ``copy_gbs``: ``np.copyto`` of the same array, bytes read + written /
   seconds.
+- ``read2_gbs``: two threads each summing half of that array at once (NumPy
+  releases the GIL in ``sum``): the rate two cores stream memory, the floor
+  of a decode step on two threads (the bytes of the weights over it).
 
 Plus the load average before and after, so a noisy run shows.
 """
@@ -19,13 +22,15 @@ Plus the load average before and after, so a noisy run shows.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-#: Bytes streamed by the read and copy measurements (far beyond any cache).
-READ_BYTES = 512 * 2**20
+#: Bytes streamed by the read and copy measurements (beyond any cache: one
+#: machine here reported a 480 MiB L3).
+READ_BYTES = 1024 * 2**20
 GEMM_SHAPE = (32, 3072, 576)  # M, N, K
 
 
@@ -40,10 +45,20 @@ def _best(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+def _two_threads(fn: Callable[[int], object]) -> None:
+    """``fn(0)`` and ``fn(1)`` on two threads at once."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def calibrate(repeats: int = 5) -> dict:
     """The machine's GEMM rate and memory read and copy rates (see the module
     docstring), with the load averages around the measurement:
-    ``{"gemm_gflops", "read_gbs", "copy_gbs", "repeats", "loadavg": [before, after]}``."""
+    ``{"gemm_gflops", "read_gbs", "read2_gbs", "copy_gbs", "repeats", "loadavg":
+    [before, after]}``."""
     before = [round(x, 2) for x in os.getloadavg()]
     rng = np.random.default_rng(0)
     m, n, k = GEMM_SHAPE
@@ -52,10 +67,13 @@ def calibrate(repeats: int = 5) -> dict:
     gemm = _best(lambda: x @ w.T, repeats * 20)
     data = np.ones(READ_BYTES // 8, dtype=np.int64)
     read = _best(data.sum, repeats)
+    halves = (data[:data.size // 2], data[data.size // 2:])
+    read2 = _best(lambda: _two_threads(lambda i: halves[i].sum()), repeats)
     out = np.empty_like(data)
     copy = _best(lambda: np.copyto(out, data), repeats)
     return {"gemm_gflops": round(2 * m * n * k / gemm / 1e9, 1),
             "read_gbs": round(READ_BYTES / read / 1e9, 2),
+            "read2_gbs": round(READ_BYTES / read2 / 1e9, 2),
             "copy_gbs": round(2 * READ_BYTES / copy / 1e9, 2),
             "repeats": repeats,
             "loadavg": [before, [round(x, 2) for x in os.getloadavg()]]}

@@ -59,6 +59,7 @@ class ServerProcess:
                          Path(tempfile.gettempdir()) / f"kvserve-bench-server-{self.port}.log")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        started = time.monotonic()
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         self.health_paths = tuple(health_paths)
@@ -67,6 +68,24 @@ class ServerProcess:
         except BaseException:
             self.stop()
             raise
+        #: Seconds from the process's start to its first healthy answer.
+        self.ready_seconds = round(time.monotonic() - started, 2)
+
+    def memory(self) -> dict[str, int] | None:
+        """``{"peak_rss_bytes": VmHWM, "rss_bytes": VmRSS}`` of the server
+        process from ``/proc/PID/status`` (peak: the high-water mark since it
+        started, mapped file pages it touched included), or None where there
+        is no such file (not Linux, or the process is gone)."""
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text(encoding="ascii")
+        except OSError:
+            return None
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        try:
+            return {"peak_rss_bytes": int(fields["VmHWM"].split()[0]) * 1024,
+                    "rss_bytes": int(fields["VmRSS"].split()[0]) * 1024}
+        except (KeyError, ValueError, IndexError):
+            return None
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -178,13 +178,13 @@ def read_safetensors_header(file: Path) -> dict[str, dict]:
 
 def count_parameters(path: Path, model: ModelConfig) -> int:
     """Parameters (elements) of the tensors ``load_weights`` keeps, summed
-    from the shapes in the safetensors headers of ``path``. Raises
-    ``FileNotFoundError`` when there is no ``*.safetensors`` file."""
+    from the shapes in the safetensors headers of ``path``; for a folder
+    served from its GGUF (no ``*.safetensors``), those the model requires."""
     from kvserve.model.loader import _optional_tensor_shapes, expected_tensor_shapes
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {path}")
+        return sum(math.prod(shape) for shape in expected_tensor_shapes(model).values())
     kept = expected_tensor_shapes(model).keys() | _optional_tensor_shapes(model).keys()
     return sum(math.prod(info["shape"]) for file in files
                for name, info in read_safetensors_header(file).items() if name in kept)

@@ -18,12 +18,13 @@ import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from kvserve.cpu import block_dot_ops, block_ops, decode_path, int8, kernels, quant_ops
+from kvserve.cpu import (block_dot_ops, block_ops, decode_path, int8, kernels, kquant_ops,
+                         quant_ops)
 from kvserve.cpu.parallel import PARALLEL_REGION, parallel_chunks
 from kvserve.cpu.prefill_attention import prefill_attention
 from kvserve.model import kv_quant
 from kvserve.model.ops import build_rope_cache, compose_rope_kv_attention
-from kvserve.model.ggml_blocks import BlockQuantizedWeight
+from kvserve.model.ggml_blocks import BlockQuantizedWeight, KQuantWeight, StackedWeight
 from kvserve.model.quantization import LinearWeight, QuantizedWeight
 
 __all__ = ["CpuOps", "build_rope_cache"]
@@ -211,6 +212,10 @@ class CpuOps:
         ids = _int(token_ids, np.int64, "embedding token_ids", 1)
         if isinstance(table, BlockQuantizedWeight):
             return block_ops.embedding_blocks(ids, table)
+        if isinstance(table, KQuantWeight):
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= table.n):
+                raise ValueError(f"embedding: token id out of range [0, {table.n})")
+            return kquant_ops.embedding_kquant(ids, table)
         if table.ndim != 2:
             raise ValueError(f"embedding: table must be [V, H], got {table.shape}")
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= table.shape[0]):
@@ -222,7 +227,9 @@ class CpuOps:
         """``x @ weight.T (+ bias)`` via BLAS sgemm (no transpose copy), or for
         a ``QuantizedWeight`` the int8 kernels of ``kvserve.cpu.quant_ops``
         (weight-only) or ``kvserve.cpu.int8`` (w8a8, grouped activations),
-        or for a ``BlockQuantizedWeight`` those of ``kvserve.cpu.block_ops``.
+        or for a ``BlockQuantizedWeight`` those of ``kvserve.cpu.block_ops``,
+        or for a ``KQuantWeight`` (or a ``StackedWeight`` of parts) those of
+        ``kvserve.cpu.kquant_ops``.
 
         x: float32[T, in]; weight: float32[out, in] or a quantized weight;
         bias: float32[out] or None. Returns float32[T, out].  Raises
@@ -233,6 +240,9 @@ class CpuOps:
                 raise ValueError(f"linear: {weight.scheme} weights have no batch-invariant "
                                  "kernels (--batch-invariant serves none or q4)")
             return self._linear_quantized(np.ascontiguousarray(x, dtype=_F32), weight, bias)
+        if isinstance(weight, (KQuantWeight, StackedWeight)):
+            return kquant_ops.linear_kquant(np.ascontiguousarray(x, dtype=_F32), weight, bias,
+                                            self._threads(), other=self.linear)
         if isinstance(weight, BlockQuantizedWeight):
             if weight.activations == "q8" and not self.batch_invariant and (
                     len(x) <= block_dot_ops.Q8_MAX_ROWS

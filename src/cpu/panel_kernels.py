@@ -176,21 +176,21 @@ def _splat_value(builder, value, n):
     return builder.shuffle_vector(one, undef, ir.Constant(_vec(_i32, n), [0] * n))
 
 
-def _dot4_generic(builder, acc, w, x):
+def _dot4_generic(builder, acc, w, x, lanes=LANES):
     """acc + per int32 lane the sum of 4 products of unsigned bytes of ``w``
-    and signed bytes of ``x`` (all <LANES x i32>), in plain IR."""
-    wb = builder.zext(builder.bitcast(w, _vec(_i8, 4 * LANES)), _vec(_i32, 4 * LANES))
-    xb = builder.sext(builder.bitcast(x, _vec(_i8, 4 * LANES)), _vec(_i32, 4 * LANES))
+    and signed bytes of ``x`` (all <lanes x i32>), in plain IR."""
+    wb = builder.zext(builder.bitcast(w, _vec(_i8, 4 * lanes)), _vec(_i32, 4 * lanes))
+    xb = builder.sext(builder.bitcast(x, _vec(_i8, 4 * lanes)), _vec(_i32, 4 * lanes))
     p = builder.mul(wb, xb)
     total = acc
     for t in range(4):
-        lane = builder.shuffle_vector(p, p, ir.Constant(_vec(_i32, LANES),
-                                                         [4 * c + t for c in range(LANES)]))
+        lane = builder.shuffle_vector(p, p, ir.Constant(_vec(_i32, lanes),
+                                                         [4 * c + t for c in range(lanes)]))
         total = builder.add(total, lane)
     return total
 
 
-def _dot4_avx2(builder, acc, w, x):
+def _dot4_avx2(builder, acc, w, x, lanes=LANES):
     """:func:`_dot4_generic` with ``vpmaddubsw`` (u8 x s8 -> int16 pair sums,
     saturating) and ``vpmaddwd`` by ones (-> int32 sums of 4) on ymm, each
     256-bit half of a wider vector apart; exact while a pair's sum fits
@@ -201,9 +201,9 @@ def _dot4_avx2(builder, acc, w, x):
     maddwd = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(v8i, [v16s, v16s]), "llvm.x86.avx2.pmadd.wd")
     halves = []
-    for h in range(LANES // 8):
-        lanes = ir.Constant(_vec(_i32, 8), list(range(8 * h, 8 * h + 8)))
-        wh, xh = (builder.shuffle_vector(v, v, lanes) for v in (w, x))
+    for h in range(lanes // 8):
+        half = ir.Constant(_vec(_i32, 8), list(range(8 * h, 8 * h + 8)))
+        wh, xh = (builder.shuffle_vector(v, v, half) for v in (w, x))
         pairs = builder.call(maddubs, [builder.bitcast(wh, v32b), builder.bitcast(xh, v32b)])
         halves.append(builder.call(maddwd, [pairs, ir.Constant(v16s, [1] * 16)]))
     quads = halves[0] if len(halves) == 1 else builder.shuffle_vector(
@@ -211,12 +211,50 @@ def _dot4_avx2(builder, acc, w, x):
     return builder.add(acc, quads)
 
 
-def _dot4_vnni(builder, acc, w, x):
-    """:func:`_dot4_generic` as one ``vpdpbusd`` on zmm (LANES = 16)."""
+def _dot4_vnni(builder, acc, w, x, lanes=16):
+    """:func:`_dot4_generic` as one ``vpdpbusd`` on zmm (``lanes`` 16 only)."""
     v16i = _vec(_i32, 16)
     dpbusd = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(v16i, [v16i] * 3), "llvm.x86.avx512.vpdpbusd.512")
     return builder.call(dpbusd, [acc, w, x])
+
+
+def emit_dot_forms(builder, dot, emit) -> None:
+    """IR that runs ``emit(form)`` for the form the run-time ``dot`` argument
+    names (``DOT_GENERIC``: None, ``DOT_AVX2``: ``"avx2"``, ``DOT_FAST``: the
+    CPU's, ``CPU_DOT``); every form is the generic one without AVX2, so that
+    no function fails to compile there."""
+    def equals(value):
+        return builder.icmp_signed("==", dot, dot.type(value))
+
+    if CPU_DOT is None:
+        emit(None)
+        return
+    with builder.if_else(equals(DOT_GENERIC)) as (generic, other):
+        with generic:
+            emit(None)
+        with other:
+            if CPU_DOT == "avx2":
+                emit("avx2")
+            else:
+                with builder.if_else(equals(DOT_AVX2)) as (avx2, fast):
+                    with avx2:
+                        emit("avx2")
+                    with fast:
+                        emit(CPU_DOT)
+
+
+def store_tile(builder, out_rows, n0, accs) -> None:
+    """Store each accumulator ``accs[r]`` (an alloca of <L x float>) at
+    element ``n0`` of output row pointer ``out_rows[r]`` (unaligned)."""
+    for dst_row, acc in zip(out_rows, accs):
+        value = builder.load(acc)
+        dst = builder.bitcast(builder.gep(dst_row, [n0]), value.type.as_pointer())
+        builder.store(value, dst, align=4)
+
+
+#: The dot product of each form ``emit_dot_forms`` names.
+DOT4 = {None: _dot4_generic, "avx2": _dot4_avx2, "vnni": _dot4_vnni}
 
 
 def _tile_codegen(rows):
@@ -317,28 +355,8 @@ def _tile_codegen(rows):
         # generic one, so that no function here fails to compile
         dot = args[8]
 
-        def equals(value):
-            return builder.icmp_signed("==", dot, dot.type(value))
-
-        if CPU_DOT is None:
-            both_kinds(None)
-        else:
-            with builder.if_else(equals(DOT_GENERIC)) as (generic, other):
-                with generic:
-                    both_kinds(None)
-                with other:
-                    if CPU_DOT == "avx2":
-                        both_kinds("avx2")
-                    else:
-                        with builder.if_else(equals(DOT_AVX2)) as (avx2, fast):
-                            with avx2:
-                                both_kinds("avx2")
-                            with fast:
-                                both_kinds(CPU_DOT)
-        for r in range(rows):
-            dst = builder.gep(row(out, ms[r]), [n0])
-            builder.store(builder.load(accs[r]), builder.bitcast(dst, vfloat.as_pointer()),
-                          align=4)
+        emit_dot_forms(builder, dot, both_kinds)
+        store_tile(builder, [row(out, r) for r in ms], n0, accs)
         return context.get_dummy_value()
 
     return codegen

@@ -186,16 +186,13 @@ def _load(config: Any, layer_range: range, tp_rank: int = 0, all_reduce=None):
     summed by ``all_reduce``."""
     from kvserve.model.backend import create_backend
     from kvserve.model.llama import LlamaModel
-    from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights
-    from kvserve.model.quantization import BLOCK_SCHEMES
+    from kvserve.model.loader import load_checkpoint_weights, load_model_config
 
     path = Path(config.model)
     model_config = load_model_config(path)
     backend = create_backend(replace(config, backend="cpu") if config.backend == "auto"
                              else config)
-    weights = load_weights(path, model_config, dtype=None)
-    if config.quantization in BLOCK_SCHEMES:
-        weights.update(load_gguf_blocks(path, model_config))
+    weights = load_checkpoint_weights(path, model_config, config.quantization)
     held = {f"model.layers.{i}." for i in layer_range}
     weights = {name: w for name, w in weights.items()
                if not name.startswith("model.layers.") or name[:name.index(".", 13) + 1] in held}

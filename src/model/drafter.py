@@ -49,9 +49,8 @@ from kvserve.core.outputs import ScheduledRequest
 from kvserve.model import sampling_kernels as kernels
 from kvserve.model.input_batch import InputBatch
 from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import load_gguf_blocks, load_model_config, load_weights
+from kvserve.model.loader import load_checkpoint_weights, load_model_config
 from kvserve.model.ops import Ops
-from kvserve.model.quantization import BLOCK_SCHEMES
 from kvserve.model.sampler import SamplingState, _warpers
 from kvserve.model.spec_verify import draw_from
 from kvserve.model.tokenizer import Tokenizer
@@ -87,9 +86,7 @@ def load_draft_model(spec: SpeculativeConfig, target: ModelConfig, target_tokeni
         raise ValueError(f"the draft model {path} has another tokenizer than the served model "
                          f"(vocab sizes {config.vocab_size} and {target.vocab_size}); "
                          "speculation needs the same token ids")
-    weights = load_weights(path, config, dtype=None)
-    if spec.quantization in BLOCK_SCHEMES:
-        weights.update(load_gguf_blocks(path, config))
+    weights = load_checkpoint_weights(path, config, spec.quantization)
     return LlamaModel(config, weights, ops, spec.quantization)
 
 

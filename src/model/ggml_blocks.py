@@ -151,3 +151,86 @@ def concat_rows(weights: list[BlockQuantizedWeight]) -> BlockQuantizedWeight:
                                 "+".join(sorted({w.ggml_type for w in weights})))
 
 
+
+
+@dataclass(frozen=True)
+class KQuantWeight:
+    """A ``[N out, K in]`` weight in llama.cpp K-quant super-blocks (Q4_K,
+    Q5_K, Q6_K), packed in panels of 16 channels for the CPU kernels
+    (``kvserve.cpu.kquant_kernels``, whose docstring gives the formats).
+
+    ``codes``, ``scales``, ``mins``: uint8 and ``dd``: float32 panel arrays
+    (``kquant_kernels.packed_shapes`` of the padded N; None for a table used
+    only as an embedding), usually views of a mapped file; ``raw``:
+    uint8[N, K / 256, block bytes], the GGUF's own super-blocks (a view of
+    the mapped file: the embedding's row lookups), or None. ``n`` is the
+    weight's N; the panels may hold up to 15 zero channels more (N padded
+    to a multiple of 16). ``ggml_type``: ``Q4_K``, ``Q5_K`` or ``Q6_K``.
+    """
+
+    ggml_type: str
+    n: int
+    k: int
+    codes: Any
+    scales: Any
+    mins: Any
+    dd: Any
+    raw: Any = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, K)``, as the dense weight's."""
+        return self.n, self.k
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the panels (the mapped GGUF bytes of ``raw`` not counted)."""
+        return int(sum(a.nbytes for a in (self.codes, self.scales, self.mins, self.dd)
+                       if a is not None))
+
+
+@dataclass(frozen=True)
+class StackedWeight:
+    """Weights whose outputs are concatenated: ``x @ [W_0; W_1; ...].T``.
+
+    What a fused projection (q/k/v, gate/up) becomes when a part is a
+    K-quant weight (a Q4_K_M file's Q4_K ``attn_q`` and Q6_K ``attn_v``):
+    no part is dequantized or copied (the panels stay views of their mapped
+    file), and the products share one quantization of ``x``. ``parts``: the
+    ``[N_i, K]`` weights, in output order."""
+
+    parts: tuple
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(sum N_i, K)``."""
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every part."""
+        return int(sum(p.nbytes for p in self.parts))
+
+
+
+def fuse_adjacent(weights: list[KQuantWeight]) -> KQuantWeight | None:
+    """One ``KQuantWeight`` viewing ``weights`` stacked along N, when their
+    panel arrays lie end to end in memory (``gguf_weights`` writes a layer's
+    q/k/v and gate/up parts so); None when they are not of one type and K,
+    an N but the last is not a multiple of 16, or the arrays are not
+    adjacent. No byte is copied."""
+    first = weights[0]
+    if any(w.ggml_type != first.ggml_type or w.k != first.k or w.codes is None
+           for w in weights) or any(w.n % 16 for w in weights[:-1]):
+        return None
+    fused = []
+    for key in ("codes", "scales", "mins", "dd"):
+        arrays = [getattr(w, key) for w in weights]
+        for a, b in zip(arrays, arrays[1:]):
+            if (a.dtype != b.dtype or a.shape[1] != b.shape[1] or not a.flags.c_contiguous
+                    or a.ctypes.data + a.nbytes != b.ctypes.data):
+                return None
+        rows = sum(a.shape[0] for a in arrays)
+        fused.append(np.lib.stride_tricks.as_strided(arrays[0], (rows, arrays[0].shape[1]),
+                                                     arrays[0].strides))
+    return KQuantWeight(first.ggml_type, sum(w.n for w in weights), first.k, *fused)

@@ -454,17 +454,20 @@ class ConvertedCheckpoint:
     num_tensors: int
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> ConvertedCheckpoint:
+def convert_gguf(gguf_path: Path, out_dir: Path, weights: bool = True) -> ConvertedCheckpoint:
     """Convert a ``llama`` or ``gemma3`` GGUF file into a Hugging Face checkpoint folder.
 
     Every tensor is dequantized to float32, renamed to its HF name, reshaped to
     the HF ``[out_features, in_features]`` layout; llama's ``attn_q``/``attn_k``
     rows are un-permuted (:func:`unpermute_qk`) and gemma3's norms un-shifted
-    (``NORM_SHIFT``).
+    (``NORM_SHIFT``). With ``weights=False`` only the config and tokenizer
+    files are written (a folder served from the GGUF itself,
+    ``kvserve.model.gguf_weights``; the tensors are checked when loaded).
 
     Args:
         gguf_path: the ``.gguf`` file.
         out_dir: folder to create (parents too); existing files are overwritten.
+        weights: write ``model.safetensors`` (float32) too.
 
     Raises:
         ConversionError: unsupported architecture, tokenizer model or tensor
@@ -480,12 +483,18 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> ConvertedCheckpoint:
     except (ValueError, OSError) as exc:
         raise ConversionError(f"{gguf_path}: not a readable GGUF file ({exc})") from None
     meta = read_metadata(reader, gguf_path)
-    tensors = convert_tensors(reader, meta, gguf_path)
-    tied = "lm_head.weight" not in tensors
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(out_dir / "model.safetensors", 0o644)  # safetensors writes it owner-only
+    if weights:
+        tensors = convert_tensors(reader, meta, gguf_path)
+        tied = "lm_head.weight" not in tensors
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(out_dir / "model.safetensors", 0o644)  # safetensors writes it owner-only
+        count = len(tensors)
+        del tensors
+    else:
+        tied = not any(t.name == "output.weight" for t in reader.tensors)
+        count = len(reader.tensors)
     _write_json(out_dir / "config.json", hf_config(meta, tied))
     try:
         tokenizer = build_tokenizer_from_meta(meta, gguf_path)
@@ -493,7 +502,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> ConvertedCheckpoint:
         raise ConversionError(f"{gguf_path}: {exc}") from None
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(meta))
-    return ConvertedCheckpoint(out_dir, meta["arch"], len(tensors))
+    return ConvertedCheckpoint(out_dir, meta["arch"], count)
 
 
 def _write_json(path: Path, obj: Any) -> None:

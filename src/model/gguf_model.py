@@ -106,7 +106,7 @@ def needs_work(model: str, cache: Path | None = None) -> bool:
         gguf = gguf_file_of(model)
     except ValueError:
         return False
-    return gguf is not None and not _is_complete(converted_folder(gguf, cache))
+    return gguf is not None and not _is_served(converted_folder(gguf, cache))
 
 
 def resolve_model(model: str, cache: Path | None = None) -> str:
@@ -134,8 +134,11 @@ def resolve_model(model: str, cache: Path | None = None) -> str:
 
 
 #: Bumped when the converter's output changes (2: Gemma 3's ``<end_of_turn>``
-#: is an EOS), so that a folder converted by an older kvserve is converted again.
-CONVERTER_VERSION = 2
+#: is an EOS; 3: no float32 checkpoint, the GGUF is served in place), so that
+#: a folder converted by an older kvserve is converted again.
+CONVERTER_VERSION = 3
+#: What a folder served from its GGUF holds besides the link to the file.
+SERVED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 
 
 def file_key(gguf_path: Path) -> str:
@@ -170,16 +173,16 @@ def ensure_gguf_checkpoint(gguf_path: Path, cache: Path | None = None) -> Path:
     """
     gguf_path = Path(gguf_path).resolve()
     target = converted_folder(gguf_path, cache)
-    if _is_complete(target):
+    if _is_served(target):
         _log.info("gguf_cached", gguf=str(gguf_path), path=str(target),
                   message=f"Using {target}, converted earlier from {gguf_path.name}")
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.parent / f".{target.name}.lock"):
-        if not _is_complete(target):
+        if not _is_served(target):
             with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
                 out = Path(tmp) / "checkpoint"
-                _convert_logged(gguf_path, out, target)
+                _convert_logged(gguf_path, out, target, weights=False)
                 os.symlink(gguf_path, out / gguf_path.name)
                 if target.exists():  # an incomplete leftover
                     shutil.rmtree(target)
@@ -187,13 +190,20 @@ def ensure_gguf_checkpoint(gguf_path: Path, cache: Path | None = None) -> Path:
     return target
 
 
-def _convert_logged(gguf_path: Path, out: Path, target: Path) -> None:
+def _is_served(folder: Path) -> bool:
+    """True when ``folder`` holds the files a GGUF served in place needs
+    (``SERVED_FILES``; the link to the GGUF is checked when it loads)."""
+    return all((folder / name).is_file() for name in SERVED_FILES)
+
+
+def _convert_logged(gguf_path: Path, out: Path, target: Path, weights: bool = True) -> None:
     """``convert_gguf`` between a ``gguf_converting`` and a ``gguf_converted`` line."""
     started = time.perf_counter()
+    what = "a Hugging Face checkpoint" if weights else "its config and tokenizer (served in place)"
     _log.info("gguf_converting", gguf=str(gguf_path), path=str(target),
-              message=f"Converting {gguf_path.name} ({_mib(gguf_path)}) to a Hugging Face "
-                      f"checkpoint in {target} (once)...")
-    result = convert_gguf(gguf_path, out)
+              message=f"Reading {gguf_path.name} ({_mib(gguf_path)}) into {what} in "
+                      f"{target} (once)...")
+    result = convert_gguf(gguf_path, out, weights=weights)
     seconds = round(time.perf_counter() - started, 2)
     _log.info("gguf_converted", gguf=str(gguf_path), path=str(target), arch=result.arch,
               seconds=seconds, message=f"Converted {gguf_path.name} ({result.arch}, "

@@ -36,7 +36,8 @@ import numpy as np
 
 from kvserve.config import ModelConfig
 from kvserve.core.kv_layout import model_kv_layout
-from kvserve.model.ggml_blocks import BlockQuantizedWeight, concat_rows, dequantize
+from kvserve.model.ggml_blocks import (BlockQuantizedWeight, KQuantWeight, StackedWeight,
+                                      concat_rows, dequantize, fuse_adjacent)
 from kvserve.model.ops import Ops, StepGeometry, build_rope_cache
 from kvserve.model.quantization import LinearWeight, quantize_weight
 
@@ -188,8 +189,9 @@ class LlamaModel:
         return self.ops.to_device(weight)
 
     def _table(self, table: np.ndarray | BlockQuantizedWeight) -> LinearWeight:
-        """An embedding / LM head table on the backend: dense, or (``q4``) GGUF blocks."""
-        if isinstance(table, BlockQuantizedWeight):
+        """An embedding / LM head table on the backend: dense, or GGUF blocks
+        (``BlockQuantizedWeight``, ``KQuantWeight``)."""
+        if isinstance(table, (BlockQuantizedWeight, KQuantWeight)):
             return quantize_weight(table, self.quantization, self.ops.to_device)
         return self.ops.to_device(table)
 
@@ -404,11 +406,30 @@ class LlamaModel:
                 t, heads * hd)
 
 
+def _fuse_kquant(weights: list) -> KQuantWeight | StackedWeight:
+    """Runs of K-quant parts whose panels lie end to end (``fuse_adjacent``)
+    as one weight each; a ``StackedWeight`` of the runs and other parts when
+    more than one remains."""
+    parts: list = []
+    for w in weights:
+        if parts and isinstance(w, KQuantWeight) and isinstance(parts[-1], KQuantWeight):
+            joined = fuse_adjacent([parts[-1], w])
+            if joined is not None:
+                parts[-1] = joined
+                continue
+        parts.append(w)
+    return parts[0] if len(parts) == 1 else StackedWeight(tuple(parts))
+
+
 def _fuse(weights: list) -> np.ndarray | BlockQuantizedWeight:
     """Stack [out_i, in] weights along out: GGUF blocks when all are blocks of
     one kind; else float32, blocks dequantized (exact: ``d * q + m`` in
     float32, the values the float checkpoint holds), as for a K-quant mix
-    whose ``attn_v`` alone is Q8_0 (Gemma 3 270M)."""
+    whose ``attn_v`` alone is Q8_0 (Gemma 3 270M). With a K-quant part, a
+    ``StackedWeight`` of the parts as they are (nothing dequantized or
+    copied)."""
+    if any(isinstance(w, KQuantWeight) for w in weights):
+        return _fuse_kquant(weights)
     blocks = [w for w in weights if isinstance(w, BlockQuantizedWeight)]
     if len(blocks) == len(weights) and len({(w.kind, w.shape[1]) for w in blocks}) == 1:
         return concat_rows(weights)

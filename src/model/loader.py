@@ -348,3 +348,41 @@ def load_gguf_blocks(path: Path, config: ModelConfig) -> dict[str, Any]:
     if any("<" in w.ggml_type for w in blocks.values()):
         save_block_cache(cache, blocks)
     return blocks
+
+
+def load_checkpoint_weights(path: Path, config: ModelConfig, quantization: str,
+                            dtype: Any = None) -> dict[str, Any]:
+    """The weights of checkpoint folder ``path`` for ``--quantization quantization``.
+
+    A folder of ``*.safetensors`` with a float scheme (``none``, ``int8``,
+    ``w8a8``): :func:`load_weights`. A scheme that serves GGUF blocks
+    (``q4``, ``w4a8``), or a folder holding a GGUF and no safetensors (a
+    ``--model file.gguf``): the GGUF's tensors in place
+    (``kvserve.model.gguf_weights.read_gguf_weights``; blocks only for the
+    block schemes, else dequantized to float32 in memory), its K-quant
+    panels kept in ``path``. Logs ``gguf_weights`` with how each tensor type
+    is served.
+
+    Raises what :func:`load_weights`, :func:`find_gguf` and
+    ``read_gguf_weights`` raise (``ConversionError`` is a ValueError).
+    """
+    from kvserve.model.gguf_weights import read_gguf_weights
+    from kvserve.model.quantization import BLOCK_SCHEMES
+
+    path = Path(path)
+    blocks = quantization in BLOCK_SCHEMES
+    if not blocks and any(path.glob("*.safetensors")):
+        return load_weights(path, config, dtype=dtype)
+    gguf = find_gguf(path)
+    shapes = expected_tensor_shapes(config)
+    shapes.update(_optional_tensor_shapes(config))
+    weights, paths = read_gguf_weights(gguf, shapes, config.num_attention_heads,
+                                       config.num_key_value_heads, blocks, path)
+    missing = [n for n in expected_tensor_shapes(config) if n not in weights]
+    if missing:
+        raise ValueError(f"{gguf}: missing tensor {missing[0]!r}"
+                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    _log.info("gguf_weights", gguf=str(gguf), paths=paths,
+              message="GGUF tensors served as " + "; ".join(
+                  f"{kind}: {how}" for kind, how in sorted(paths.items())))
+    return weights

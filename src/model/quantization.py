@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.model.ggml_blocks import BlockQuantizedWeight
+from kvserve.model.ggml_blocks import BlockQuantizedWeight, KQuantWeight, StackedWeight
 
 QUANTIZATIONS = ("none", "int8", "w8a8", "q4", "w4a8")
 #: Schemes that serve the checkpoint's GGUF blocks (``load_gguf_blocks``).
@@ -115,8 +115,14 @@ def quantize_weight(w: np.ndarray | BlockQuantizedWeight, scheme: str, to_device
 
     ``w`` is a float[out, in] array, or for ``q4`` possibly a host
     ``BlockQuantizedWeight`` (moved as it is). ``none``, and ``q4`` for a
-    tensor the GGUF stores in float, keep it dense. Raises ``ValueError``
-    for an unknown scheme."""
+    tensor the GGUF stores in float, keep it dense. A ``KQuantWeight`` (CPU
+    panels, Q8_K activations whatever the scheme) is kept as it is, and a
+    ``StackedWeight``'s parts each go through this function. Raises
+    ``ValueError`` for an unknown scheme."""
+    if isinstance(w, KQuantWeight):
+        return w
+    if isinstance(w, StackedWeight):
+        return StackedWeight(tuple(quantize_weight(p, scheme, to_device) for p in w.parts))
     if isinstance(w, BlockQuantizedWeight):
         moved = w.map(lambda a: _to_device_exact(a, to_device))
         return replace(moved, activations="q8") if scheme == "w4a8" else moved

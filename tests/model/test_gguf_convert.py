@@ -235,10 +235,11 @@ def test_gguf_model_converted_once_and_again_when_changed(tiny, tmp_path: Path) 
     gguf_path.write_bytes(Path(tiny[0]).read_bytes())
     cache = tmp_path / "cache"
     first = ensure_gguf_checkpoint(gguf_path, cache)
-    assert (first / "m.gguf").resolve() == gguf_path.resolve()  # for --quantization q4
-    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert (first / "m.gguf").resolve() == gguf_path.resolve()  # served from the file itself
+    assert not list(first.glob("*.safetensors"))  # no float32 copy of the weights
+    stamp = (first / "config.json").stat().st_mtime_ns
     assert ensure_gguf_checkpoint(gguf_path, cache) == first
-    assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
+    assert (first / "config.json").stat().st_mtime_ns == stamp  # not converted again
     os.utime(gguf_path, ns=(stamp + 10**9, stamp + 10**9))  # a changed file
     second = ensure_gguf_checkpoint(gguf_path, cache)
     assert second != first and (second / "config.json").is_file()
