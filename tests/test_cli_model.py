@@ -80,3 +80,27 @@ def test_a_folder_missing_checkpoint_files_names_them(tmp_path: Path, present: t
     errors = serve_errors(str(tmp_path))
     assert errors == [f"kvserve: error: --model {tmp_path}: no {missing} in this folder; "
                       f"{ACCEPTS} of a llama, mistral, qwen2 or gemma3 model, or a .gguf file"]
+
+
+def test_quantization_auto_serves_a_gguf_on_its_own_blocks(tmp_path: Path) -> None:
+    """``--quantization auto`` (the default): a .gguf file, a folder of one
+    and a registered GGUF name take their blocks (w4a8 on the CPU; none on a
+    GPU, which has no K-quant kernels); a checkpoint folder and the default
+    model stay float; an explicit scheme is kept."""
+    from kvserve.cli import default_quantization
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    folder = tmp_path / "holds"
+    folder.mkdir()
+    (folder / "x.gguf").write_bytes(b"GGUF")
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    assert default_quantization("auto", str(gguf), "cpu") == "w4a8"
+    assert default_quantization("auto", str(folder), "cpu") == "w4a8"
+    assert default_quantization("auto", "gemma-3-270m", "cpu") == "w4a8"
+    assert default_quantization("auto", str(gguf), "cuda") == "none"
+    assert default_quantization("auto", str(checkpoint), "cpu") == "none"
+    assert default_quantization("auto", None, "cpu") == "none"
+    assert default_quantization("q4", str(checkpoint), "cpu") == "q4"

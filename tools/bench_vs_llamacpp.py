@@ -2,8 +2,9 @@
 """kvserve against llama.cpp's own server: one workload, one client, a table of ratios.
 
 Both servers run the same model (the Q4_1 GGUF that kvserve's default model is
-converted from, or ``--model``'s GGUF, e.g. ``gemma-3-270m``; llama.cpp serves
-the GGUF itself), one at a time on this
+converted from, or ``--model``'s GGUF, e.g. ``gemma-3-270m``), each from the
+file itself (kvserve with ``--model FILE`` and its default flags, which
+serve the file's own blocks), one at a time on this
 machine, and are measured by the same client (``kvserve.bench.replay``) with
 the same requests:
 
@@ -267,6 +268,8 @@ def load_runs(base_url: str, args: argparse.Namespace) -> dict:
     send(base_url, make_requests("warmup", 2, PROMPT_WORDS, 16), 2)
     runs: dict = {}
     for temperature, top_p in TEMPERATURES:
+        if temperature not in args.temperatures:
+            continue
         for c in args.concurrency:
             n = max(2, c) if args.quick else max(4, 2 * c)
             runs.setdefault(f"{temperature:g}", {})[str(c)] = load_run(
@@ -294,9 +297,11 @@ def model_gguf(model: str | None, root: Path) -> Path:
 def measure_kvserve(args: argparse.Namespace, out_dir: Path) -> dict:
     """Load runs and the prefill of ``kvserve serve`` (one server for both)."""
     print("kvserve:", file=sys.stderr, flush=True)
+    # the GGUF llama.cpp serves, as --model: kvserve serves its blocks with
+    # default flags (--quantization auto), as llama.cpp does
+    model = args.model or str(ensure_gguf(Path(args.llamacpp_dir)))
     flags = ["--max-num-seqs", str(max(64, *args.concurrency)), "--kv-cache-memory", "1GiB",
-             *(["--model", args.model] if args.model else []),
-             *shlex.split(args.server_args)]
+             "--model", model, *shlex.split(args.server_args)]
     before = _loadavg()
     if args.kvserve_command:  # another kvserve, e.g. an earlier revision's checkout
         server_process = ServerProcess(command=f"{args.kvserve_command} {shlex.join(flags)}",
@@ -306,8 +311,8 @@ def measure_kvserve(args: argparse.Namespace, out_dir: Path) -> dict:
     with server_process as server:
         result = {"command": server.args, "ready_s": server.ready_seconds,
                   "load": load_runs(server.base_url, args),
-                  "prefill": prefill_run(server.base_url), "loadavg": [before, _loadavg()],
-                  "memory": server.memory()}
+                  "prefill": None if args.skip_prefill else prefill_run(server.base_url),
+                  "loadavg": [before, _loadavg()], "memory": server.memory()}
     result.update(log_facts(out_dir / "kvserve.log"))
     return result
 
@@ -348,11 +353,12 @@ def measure_llamacpp(args: argparse.Namespace, out_dir: Path) -> dict:
                       out_dir / "llama-server.log") as server:
         result.update(command=server.args, ready_s=server.ready_seconds,
                       load=load_runs(server.base_url, args), memory=server.memory())
-    with llama_server(binaries["llama-server"], gguf, 1, 4096,
-                      out_dir / "llama-server-prefill.log") as server:
-        result["prefill"] = prefill_run(server.base_url)
-    result["llama_bench"] = llama_bench(binaries["llama-bench"], gguf)
-    result["llama_bench_pp512_tg128"] = llama_bench_standard(binaries["llama-bench"], gguf)
+    if not args.skip_prefill:
+        with llama_server(binaries["llama-server"], gguf, 1, 4096,
+                          out_dir / "llama-server-prefill.log") as server:
+            result["prefill"] = prefill_run(server.base_url)
+        result["llama_bench"] = llama_bench(binaries["llama-bench"], gguf)
+        result["llama_bench_pp512_tg128"] = llama_bench_standard(binaries["llama-bench"], gguf)
     result["loadavg"] = [before, _loadavg()]
     return result
 
@@ -422,6 +428,8 @@ def table_rows(result: dict, concurrency: list[int]) -> list[Row]:
     top = str(max(concurrency))
     rows = []
     for temperature, top_p in TEMPERATURES:
+        if temperature not in result.get("config", {}).get("temperatures", [0.0, 0.8]):
+            continue
         t = f"{temperature:g}"
         label = f"T={t}" + (f", top_p={top_p:g}" if top_p else "")
         for c in concurrency:
@@ -506,6 +514,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: one request per client (at least 2), 32 output tokens")
     p.add_argument("--skip-llamacpp", action="store_true", help="kvserve alone, columns blank")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8],
+                   choices=[t for t, _ in TEMPERATURES],
+                   help="the load runs' temperatures (0: greedy; 0.8: with top-p 0.95)")
+    p.add_argument("--skip-prefill", action="store_true",
+                   help="no long-prompt run (minutes on a large model)")
     p.add_argument("--busy-procs", type=int, default=0,
                    help="processes spinning on the CPU for the whole run: a competing load "
                         "(the thread policy's test: at most one change a minute)")

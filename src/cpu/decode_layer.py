@@ -42,7 +42,10 @@ m)`` (``N`` output channels; ``DENSE``: float32[N, K] ``dense``; ``Q4``: uint8
 ``q8_codes`` (an int8 view) and their scales as ``dense``), the
 unused members 1 x 1 placeholders, so that every weight form shares one type and the kernel
 compiles once. A layer is the tuple ``(input_norm, post_norm, qkv, qkv_bias,
-o_proj, gate_up, down)``, ``qkv_bias`` float32[0] when the model has none.
+o_proj, gate_up, down, qkv2, qkv3)``, ``qkv_bias`` float32[0] when the model
+has none, ``qkv2`` and ``qkv3`` the second and third parts of a q/k/v
+projection held as parts (a K-quant ``StackedWeight``; ``NONE`` tuples
+otherwise).
 
 An int8 KV cache (``--kv-cache-dtype int8``, ``kvserve.model.kv_quant``)
 comes with the float32 views of the caches (``kv_scales``): the new K/V
@@ -63,11 +66,14 @@ from kvserve.cpu.block_dot_kernels import (QK, q4_1_q8_gemv_range, q8_0_q8_gemv_
 from kvserve.cpu.block_kernels import q4_gemv_range, q8_gemv_range
 from kvserve.cpu.kernels import (_attend_tile, f32_gemv_range, f32_gemv_rows_range,
                                   quantize_kv_vector)
+from kvserve.cpu.kquant_kernels import KLANES, QK_K, kquant_range, quantize_q8_k_rows
 from kvserve.cpu.panel_kernels import DOT_FAST, LANES, panel_q8_range
 
 #: Weight kinds of the 7-tuples (``Q4P``: a q4 weight that also carries its
-#: panels, ``panel_kernels.pack_panels``).
-DENSE, Q4, Q8, Q4P = 0, 1, 2, 3
+#: panels, ``panel_kernels.pack_panels``; ``KQ4_K`` .. ``KQ6_K``: a K-quant
+#: weight's panels, ``kquant_kernels``, whose kind is the tuple's kind less
+#: ``KQ4_K``; ``NONE``: no weight, N = 0).
+DENSE, Q4, Q8, Q4P, KQ4_K, KQ5_K, KQ6_K, NONE = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 @njit(nogil=True, cache=True)
@@ -101,13 +107,34 @@ def _q8_operand(x, act_q8, unused):
 
 
 @njit(nogil=True, cache=True)
-def _product_range(x, xq8, act_q8, panels, per_row, w, out, lo, hi):
+def _qk_operand(x, act_qk, unused):
+    """``(xq, xd, bsums)``: float32[S, K] ``x`` in Q8_K super-blocks
+    (``kquant_kernels.quantize_q8_k``) when ``act_qk`` (the model has K-quant
+    weights), else ``unused``."""
+    S, K = x.shape
+    if not act_qk:
+        return unused
+    xq = np.empty((S, K), np.int8)
+    xd = np.empty((S, K // QK_K), np.float32)
+    bsums = np.empty((S, K // 16), np.int32)
+    quantize_q8_k_rows(x, xq, xd, bsums, 0, S)
+    return xq, xd, bsums
+
+
+@njit(nogil=True, cache=True)
+def _product_range(x, xq8, act_q8, panels, per_row, w, out, lo, hi, xqk):
     """out[:, lo:hi] = x @ W[lo:hi].T; with ``act_q8`` a block weight takes
     the Q8-activation integer kernels on ``xq8 = _q8_operand(x, True)``,
     a ``Q4P`` one the panels of ``panel_kernels`` when ``panels`` (lo
-    and hi then multiples of ``LANES``)."""
+    and hi then multiples of ``LANES``); a K-quant weight its panels on
+    ``xqk = _qk_operand(x, True)`` (lo and hi multiples of ``KLANES``)."""
     kind = w[0]
-    if act_q8 and panels and kind == Q4P:
+    if kind == NONE:
+        return
+    if kind >= KQ4_K:
+        kquant_range(xqk[0], xqk[1], xqk[2], w[3], w[4].view(np.uint8), w[6].view(np.uint8),
+                     w[2], out, lo, hi, kind - KQ4_K, DOT_FAST)
+    elif act_q8 and panels and kind == Q4P:
         panel_q8_range(xq8[0], xq8[1], xq8[2], w[4], w[2], out, lo, hi, DOT_FAST)
     elif act_q8 and (kind == Q4 or kind == Q4P):
         q4_1_q8_gemv_range(xq8[0], xq8[1], xq8[2], w[3], w[5], w[6], out, lo, hi)
@@ -118,10 +145,10 @@ def _product_range(x, xq8, act_q8, panels, per_row, w, out, lo, hi):
 
 
 @njit(nogil=True, cache=True)
-def _span(c, n_chunks, n, panels=False):
+def _span(c, n_chunks, n, panels=False, kquants=False):
     """Channels [lo, hi) of chunk c of n, in whole groups of four (of
-    ``LANES`` with ``panels``), spread evenly."""
-    size = LANES if panels else 4
+    ``LANES`` with ``panels``, of ``KLANES`` with ``kquants``), spread evenly."""
+    size = KLANES if kquants else (LANES if panels else 4)
     groups = (n + size - 1) // size
     lo = c * groups // n_chunks * size
     hi = min((c + 1) * groups // n_chunks * size, n)
@@ -206,7 +233,7 @@ def _rope_kv_attend(s, kvh, qkv, positions, rope, kv_cache, slots, block_tables,
 @njit(nogil=True, cache=True, parallel=True)
 def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, rope, slots,
                   block_tables, seq_lens, eps, scale, nh, nkv, n_chunks, act_q8, per_row,
-                  kv_scales=None, panels=False):
+                  kv_scales=None, panels=False, act_qk=False):
     """Layers [l0, l1) of a decode-only batch of S sequences, in place.
 
     Args:
@@ -233,6 +260,12 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
         panels: with ``act_q8``, q4 products take the panels
             (``panel_kernels``; the caller checks the CPU, the row count and
             that every q4 weight's N is a multiple of ``LANES``).
+        act_qk: the model has K-quant weights (``KQ4_K`` .. ``KQ6_K``): each
+            product's input is also quantized to Q8_K, and the chunks are
+            whole panels of ``KLANES`` (every N a multiple of it, checked
+            by the caller). A layer's ``qkv2`` and ``qkv3`` (its 8th and 9th
+            members) are the other parts of a q/k/v projection held as
+            parts (``NONE``: none).
 
     Unchecked: the caller (``decode_path``) checks positions, slots, block
     ids and seq_lens against the cache and the tables.
@@ -245,22 +278,37 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
     att = np.empty((S, nh, hd), np.float32)
     no_q8 = (np.empty((0, 0), np.int8), np.empty((0, 0), np.float32),
              np.empty((0, 0), np.float32))
+    no_qk = (np.empty((0, 0), np.int8), np.empty((0, 0), np.float32),
+             np.empty((0, 0), np.int32))
     for li in range(l0, l1):
-        input_norm, post_norm, qkv_w, qkv_bias, o_w, gate_up_w, down_w = layers[li]
+        input_norm, post_norm, qkv_w, qkv_bias, o_w, gate_up_w, down_w, qkv2_w, qkv3_w = \
+            layers[li]
         kv_cache = kv_caches[li]
         _add_rms_norm(x, residual, input_norm, eps, add, xn)
         add = True
 
         n_qkv = (nh + 2 * nkv) * hd
+        n1, n2, n3 = qkv_w[1], qkv2_w[1], qkv3_w[1]
         qkv = np.empty((S, n_qkv), np.float32)
+        second = np.empty((S, n2), np.float32)
+        third = np.empty((S, n3), np.float32)
         xq8 = _q8_operand(xn, act_q8, no_q8)
+        xqk = _qk_operand(xn, act_qk, no_qk)
         for c in prange(n_chunks):
-            lo, hi = _span(c, n_chunks, n_qkv, panels)
-            _product_range(xn, xq8, act_q8, panels, per_row, qkv_w, qkv, lo, hi)
+            lo, hi = _span(c, n_chunks, n1, panels, act_qk)
+            _product_range(xn, xq8, act_q8, panels, per_row, qkv_w, qkv, lo, hi, xqk)
+            lo, hi = _span(c, n_chunks, n2, panels, act_qk)
+            _product_range(xn, xq8, act_q8, panels, per_row, qkv2_w, second, lo, hi, xqk)
+            lo, hi = _span(c, n_chunks, n3, panels, act_qk)
+            _product_range(xn, xq8, act_q8, panels, per_row, qkv3_w, third, lo, hi, xqk)
+        for t in range(S):
+            for n in range(n2):
+                qkv[t, n1 + n] = second[t, n]
+            for n in range(n3):
+                qkv[t, n1 + n2 + n] = third[t, n]
             if qkv_bias.shape[0]:
-                for t in range(S):
-                    for n in range(lo, hi):
-                        qkv[t, n] += qkv_bias[n]
+                for n in range(n_qkv):
+                    qkv[t, n] += qkv_bias[n]
 
         att[:] = 0.0
         if kv_scales is None:
@@ -277,9 +325,10 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
 
         att2 = att.reshape(S, nh * hd)
         xq8 = _q8_operand(att2, act_q8, no_q8)
+        xqk = _qk_operand(att2, act_qk, no_qk)
         for c in prange(n_chunks):
-            lo, hi = _span(c, n_chunks, H, panels)
-            _product_range(att2, xq8, act_q8, panels, per_row, o_w, x, lo, hi)
+            lo, hi = _span(c, n_chunks, H, panels, act_qk)
+            _product_range(att2, xq8, act_q8, panels, per_row, o_w, x, lo, hi, xqk)
 
         _add_rms_norm(x, residual, post_norm, eps, True, xn)
 
@@ -287,19 +336,22 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
         gu = np.empty((S, 2 * inter), np.float32)
         act = np.empty((S, inter), np.float32)
         xq8 = _q8_operand(xn, act_q8, no_q8)
+        xqk = _qk_operand(xn, act_qk, no_qk)
         for c in prange(n_chunks):
-            lo, hi = _span(c, n_chunks, inter, panels)
-            _product_range(xn, xq8, act_q8, panels, per_row, gate_up_w, gu, lo, hi)
-            _product_range(xn, xq8, act_q8, panels, per_row, gate_up_w, gu, inter + lo, inter + hi)
+            lo, hi = _span(c, n_chunks, inter, panels, act_qk)
+            _product_range(xn, xq8, act_q8, panels, per_row, gate_up_w, gu, lo, hi, xqk)
+            _product_range(xn, xq8, act_q8, panels, per_row, gate_up_w, gu, inter + lo,
+                           inter + hi, xqk)
             for t in range(S):
                 for i in range(lo, hi):
                     a = gu[t, i]
                     act[t, i] = a / (np.float32(1.0) + np.exp(-a)) * gu[t, inter + i]
 
         xq8 = _q8_operand(act, act_q8, no_q8)
+        xqk = _qk_operand(act, act_qk, no_qk)
         for c in prange(n_chunks):
-            lo, hi = _span(c, n_chunks, H, panels)
-            _product_range(act, xq8, act_q8, panels, per_row, down_w, x, lo, hi)
+            lo, hi = _span(c, n_chunks, H, panels, act_qk)
+            _product_range(act, xq8, act_q8, panels, per_row, down_w, x, lo, hi, xqk)
 
 
 @njit(cache=True)

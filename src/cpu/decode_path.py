@@ -10,8 +10,10 @@ and returns ``(x, residual)``, or None where the op-by-op path must run:
 - a batch that is not decode-only (a sequence with other than one new
   token), or more sequences than ``DENSE_MAX_SEQS`` (float32 weights: the op
   path moves to BLAS sgemm there) or ``BLOCK_MAX_SEQS`` (GGUF blocks);
-- a layer weight other than float32 dense or a q4 / q8 ``BlockQuantizedWeight``
-  (int8, w8a8), or shapes that are not the model's;
+- a layer weight other than float32 dense, a q4 / q8 ``BlockQuantizedWeight``
+  or a ``KQuantWeight`` (int8, w8a8), a q/k/v ``StackedWeight`` of more than
+  three parts, shapes that are not the model's, or, with K-quants, a product
+  whose N is not a whole number of ``KLANES`` panels;
 - an architecture the fused kernel does not compute (:func:`fused_architecture`:
   Gemma 3's sliding windows, q/k norms, sandwich norms or GeGLU);
 - ``attn`` given per KV-cache group (a sequence of metadata) rather than one;
@@ -36,13 +38,14 @@ from typing import Any
 import numpy as np
 
 from kvserve.cpu import decode_layer as dl
-from kvserve.cpu import block_dot_ops
+from kvserve.cpu import block_dot_ops, kquant_kernels
 from kvserve.cpu import panel_kernels as pk
+from kvserve.cpu.kquant_kernels import KLANES
 from kvserve.cpu.block_dot_ops import Q8_MAX_ROWS
 from kvserve.cpu.block_ops import check_weight
 from kvserve.cpu.parallel import PARALLEL_REGION
 from kvserve.model import kv_quant
-from kvserve.model.ggml_blocks import BlockQuantizedWeight
+from kvserve.model.ggml_blocks import BlockQuantizedWeight, KQuantWeight, StackedWeight
 
 #: Environment switch: ``0`` turns the fused path off, ``layer`` makes it
 #: one compiled call per layer (default: one per step).
@@ -57,6 +60,8 @@ _F32 = np.zeros((1, 1), np.float32)
 _U8 = np.zeros((1, 1), np.uint8)
 _I8 = np.zeros((1, 1), np.int8)
 _NO_BIAS = np.zeros(0, np.float32)
+#: The ``qkv2`` / ``qkv3`` of a layer whose q/k/v projection is fewer parts.
+_NO_WEIGHT = (dl.NONE, 0, _F32, _U8, _I8, _F32, _F32)
 
 
 def fused_architecture(config: Any) -> bool:
@@ -86,10 +91,14 @@ class _Prepared:
                                       cfg.head_dim)
         self.eps = float(cfg.rms_norm_eps)
         self.act_q8 = False  # set by _weight: a block weight with Q8 activations
+        self.act_qk = False  # set by _weight: a K-quant weight (Q8_K activations)
         # w4a8's q4 weights as panels of LANES channels: every product's N,
         # and each half of gate_up, a whole number of panels
         hd, inter = cfg.head_dim, cfg.intermediate_size
         self.panels_ok = pk.HAS_PANELS and all(n % pk.LANES == 0 for n in (
+            cfg.hidden_size, inter, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd))
+        # K-quant products run in whole panels of KLANES channels
+        self.kquant_ok = all(n % KLANES == 0 for n in (
             cfg.hidden_size, inter, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd))
         self.scale = np.float32(model.scale)
         self.layers = None
@@ -106,8 +115,13 @@ class _Prepared:
         H, hd = cfg.hidden_size, cfg.head_dim
         n_qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
         inter = cfg.intermediate_size
-        shapes = ((layer.qkv, n_qkv, H), (layer.o_proj, H, cfg.num_attention_heads * hd),
-                  (layer.gate_up, 2 * inter, H), (layer.down, H, inter))
+        parts = layer.qkv.parts if isinstance(layer.qkv, StackedWeight) else (layer.qkv,)
+        if len(parts) > 3 or sum(p.shape[0] for p in parts) != n_qkv:
+            return None
+        shapes = ((parts[0], parts[0].shape[0], H),
+                  (layer.o_proj, H, cfg.num_attention_heads * hd),
+                  (layer.gate_up, 2 * inter, H), (layer.down, H, inter),
+                  *((p, p.shape[0], H) for p in parts[1:]))
         weights = [self._weight(w, n, k) for w, n, k in shapes]
         norms_ok = all(_f32(a, 1) and a.shape == (H,)
                        for a in (layer.input_norm, layer.post_norm))
@@ -115,10 +129,22 @@ class _Prepared:
         if any(w is None for w in weights) or not norms_ok or not _f32(bias, 1) \
                 or (layer.qkv_bias is not None and bias.shape != (n_qkv,)):
             return None
-        qkv, o_proj, gate_up, down = weights
-        return (layer.input_norm, layer.post_norm, qkv, bias, o_proj, gate_up, down)
+        if self.act_qk and not (self.kquant_ok and all(p.shape[0] % KLANES == 0
+                                                       for p in parts)):
+            return None
+        qkv, o_proj, gate_up, down = weights[:4]
+        second, third = (weights[4:] + [_NO_WEIGHT, _NO_WEIGHT])[:2]
+        return (layer.input_norm, layer.post_norm, qkv, bias, o_proj, gate_up, down, second,
+                third)
 
     def _weight(self, w: Any, n: int, k: int) -> tuple | None:
+        if isinstance(w, KQuantWeight):
+            if w.shape != (n, k) or w.codes is None or n % KLANES:
+                return None
+            self.act_qk = True
+            kind = dl.KQ4_K + kquant_kernels.KIND_OF[w.ggml_type]
+            mins = _F32 if w.ggml_type == "Q6_K" else w.mins.view(np.float32)
+            return (kind, n, w.dd, w.codes, w.scales.view(np.int8), _F32, mins)
         if isinstance(w, np.ndarray):
             if not _f32(w, 2) or w.shape != (n, k):
                 return None
@@ -249,8 +275,9 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
         return None
     panels = prep.panels_ok and S >= block_dot_ops.PANEL_MIN_ROWS
     act_q8 = prep.act_q8 and (S <= Q8_MAX_ROWS or panels) and not batch_invariant
-    # kv_scales and panels always given: one signature per cache dtype, as warmup's
-    extra = (scales, panels and act_q8)
+    # kv_scales, panels and act_qk always given: one signature per cache dtype,
+    # as warmup's
+    extra = (scales, panels and act_q8, prep.act_qk)
     residual = hidden
     if not _f32(residual, 2):
         residual = np.array(hidden, dtype=np.float32, order="C")
@@ -304,12 +331,13 @@ def warmup(kv_cache_dtype: str = "auto") -> None:
     q4 = (dl.Q4, H, _F32, np.zeros((H, H // 2), np.uint8), _I8, ones, ones)
     q8 = (dl.Q8, H, _F32, _U8, np.ones((H, H), np.int8), ones, _F32)
     layers = dl.typed_list([(np.ones(H, np.float32), np.ones(H, np.float32),
-                              dense((nh + 2 * nkv) * hd), _NO_BIAS, q4, dense(2 * H), q8)])
+                              dense((nh + 2 * nkv) * hd), _NO_BIAS, q4, dense(2 * H), q8,
+                              _NO_WEIGHT, _NO_WEIGHT)])
     int8 = kv_quant.is_quantized(kv_quant.check_kv_cache_dtype(kv_cache_dtype))
     cache = (np.zeros((2, 2, bs, nkv, hd + kv_quant.SCALE_BYTES), np.int8) if int8
              else np.zeros((2, 2, bs, nkv, hd), np.float32))
     caches = dl.typed_list([cache])
-    extra = (dl.typed_list([cache.view(np.float32)]) if int8 else None, False)
+    extra = (dl.typed_list([cache.view(np.float32)]) if int8 else None, False, False)
     x = np.ones((1, H), np.float32)
     with PARALLEL_REGION:
         dl.decode_layers(0, 1, x, x.copy(), False, layers, caches, np.zeros(1, np.int64),

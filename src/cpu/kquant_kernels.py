@@ -240,32 +240,25 @@ def pack_kquant(blocks, kind, codes_out, scales_out, mins_out):
 
 
 @njit(nogil=True, cache=True)
-def quantize_q8_k(x, xq, xd, bsums):
-    """llama.cpp's Q8_K of float32[M, K] ``x`` (K a multiple of 256).
-
-    Writes xq: int8[M, K], xd: float32[M, K / 256], bsums: int32[M, K / 16].
-    Per super-block: ``iscale = -127 / v`` where ``v`` is the value of largest
-    magnitude (the first such), codes ``min(127, rint(iscale * x))`` (round
-    half to even, as ggml's ``nearest_int``), ``xd = 1 / iscale``; an
-    all-zero super-block gets xd 0 and zero codes."""
-    M, K = x.shape
-    for r in range(M):
+def quantize_q8_k_rows(x, xq, xd, bsums, r0, r1):
+    """Rows [r0, r1) of :func:`quantize_q8_k` (arguments as there)."""
+    K = x.shape[1]
+    for r in range(r0, r1):
         for s in range(K // QK_K):
             o = QK_K * s
             amax = np.float32(0.0)
-            vmax = np.float32(0.0)
-            for j in range(QK_K):
-                a = abs(x[r, o + j])
-                if a > amax:
-                    amax = a
-                    vmax = x[r, o + j]
+            for j in range(QK_K):  # a max: vectorized
+                amax = max(amax, abs(x[r, o + j]))
             if amax == 0:
                 xd[r, s] = np.float32(0.0)
-                for j in range(QK_K):
-                    xq[r, o + j] = 0
-                for j in range(16):
-                    bsums[r, 16 * s + j] = 0
+                xq[r, o:o + QK_K] = 0
+                bsums[r, 16 * s:16 * s + 16] = 0
                 continue
+            vmax = np.float32(0.0)
+            for j in range(QK_K):  # the first value of that magnitude, with its sign
+                if abs(x[r, o + j]) == amax:
+                    vmax = x[r, o + j]
+                    break
             iscale = np.float32(-127.0) / vmax
             for j in range(16):
                 total = np.int32(0)
@@ -275,6 +268,26 @@ def quantize_q8_k(x, xq, xd, bsums):
                     total += np.int32(q)
                 bsums[r, 16 * s + j] = total
             xd[r, s] = np.float32(1.0) / iscale
+
+
+@njit(nogil=True, cache=True)
+def quantize_q8_k(x, xq, xd, bsums):
+    """llama.cpp's Q8_K of float32[M, K] ``x`` (K a multiple of 256).
+
+    Writes xq: int8[M, K], xd: float32[M, K / 256], bsums: int32[M, K / 16].
+    Per super-block: ``iscale = -127 / v`` where ``v`` is the value of largest
+    magnitude (the first such), codes ``min(127, rint(iscale * x))`` (round
+    half to even, as ggml's ``nearest_int``), ``xd = 1 / iscale``; an
+    all-zero super-block gets xd 0 and zero codes."""
+    quantize_q8_k_rows(x, xq, xd, bsums, 0, x.shape[0])
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def quantize_q8_k_parallel(x, xq, xd, bsums, n_chunks):
+    """:func:`quantize_q8_k` in ``n_chunks`` parallel ranges of rows."""
+    M = x.shape[0]
+    for c in prange(n_chunks):
+        quantize_q8_k_rows(x, xq, xd, bsums, c * M // n_chunks, (c + 1) * M // n_chunks)
 
 
 # --------------------------------------------------------------------------- #

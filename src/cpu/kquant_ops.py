@@ -16,6 +16,7 @@ On a CPU without AVX2 the kernels take the generic four-byte dot product
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from kvserve.cpu import kquant_kernels as kk
@@ -23,9 +24,15 @@ from kvserve.cpu.parallel import PARALLEL_REGION, check_array, parallel_chunks
 from kvserve.model.ggml_blocks import KQuantWeight, StackedWeight
 
 
+#: Fewest rows whose Q8_K quantization runs on Numba's threads (a prefill
+#: chunk, a large decode batch).
+PARALLEL_QUANTIZE_ROWS = 16
+
+
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(xq int8[M, K], xd float32[M, K / 256], bsums int32[M, K / 16])``:
-    Q8_K of C-contiguous float32[M, K] ``x`` (``kquant_kernels.quantize_q8_k``).
+    Q8_K of C-contiguous float32[M, K] ``x`` (``kquant_kernels.quantize_q8_k``;
+    from ``PARALLEL_QUANTIZE_ROWS`` rows on Numba's threads).
     Raises ValueError for another dtype or layout, or K not a multiple of 256."""
     check_array("x", x, np.float32, 2)
     m, k = x.shape
@@ -34,7 +41,12 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     xq = np.empty((m, k), np.int8)
     xd = np.empty((m, k // kk.QK_K), np.float32)
     bsums = np.empty((m, k // 16), np.int32)
-    kk.quantize_q8_k(x, xq, xd, bsums)
+    threads = numba.get_num_threads()
+    if m >= PARALLEL_QUANTIZE_ROWS and threads > 1:
+        with PARALLEL_REGION:
+            kk.quantize_q8_k_parallel(x, xq, xd, bsums, threads)
+    else:
+        kk.quantize_q8_k(x, xq, xd, bsums)
     return xq, xd, bsums
 
 

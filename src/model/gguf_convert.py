@@ -43,6 +43,36 @@ class ConversionError(ValueError):
     """A GGUF file cannot be converted; the message names the file and, if any, the tensor."""
 
 
+# --------------------------------------------------------------------------- the file
+
+
+def open_gguf(gguf_path: Path) -> Any:
+    """``gguf.GGUFReader`` over the file (mapped, nothing read but the
+    header, metadata and tensor index), each tensor's bytes checked to lie
+    inside the file.
+
+    Raises:
+        ConversionError: one line naming the file, for a file the reader
+            cannot parse (a truncated or lying header: counts or lengths past
+            the end, an unknown type) or a tensor whose data runs past the end.
+    """
+    import gguf
+
+    gguf_path = Path(gguf_path)
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except (ValueError, OSError, IndexError, KeyError, OverflowError, MemoryError,
+            UnicodeDecodeError) as exc:
+        raise ConversionError(f"{gguf_path}: not a readable GGUF file "
+                              f"({type(exc).__name__}: {str(exc)[:200]})") from None
+    for t in reader.tensors:
+        if int(np.asarray(t.data).nbytes) != int(t.n_bytes):
+            raise ConversionError(f"{gguf_path}: tensor {t.name!r} needs {int(t.n_bytes):,} "
+                                  "bytes past its offset, but the file ends first "
+                                  "(truncated?)")
+    return reader
+
+
 # --------------------------------------------------------------------------- metadata
 
 
@@ -474,14 +504,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, weights: bool = True) -> Conver
             type, missing metadata, an unknown tensor name or a shape
             mismatch. The message names the file and the tensor.
     """
-    import gguf
     from safetensors.numpy import save_file
 
     gguf_path = Path(gguf_path)
-    try:
-        reader = gguf.GGUFReader(gguf_path)
-    except (ValueError, OSError) as exc:
-        raise ConversionError(f"{gguf_path}: not a readable GGUF file ({exc})") from None
+    reader = open_gguf(gguf_path)
     meta = read_metadata(reader, gguf_path)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -510,5 +536,6 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 __all__ = ["ConversionError", "ConvertedCheckpoint", "SUPPORTED_ARCHITECTURES", "convert_gguf",
+           "open_gguf",
            "expected_shapes", "gemma3_layer_types", "hf_tensor_name", "permute_qk",
            "read_metadata", "unpermute_qk"]

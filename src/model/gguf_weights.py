@@ -40,7 +40,7 @@ import structlog
 from kvserve.model.ggml_blocks import BLOCK_KINDS, BlockQuantizedWeight, KQuantWeight, \
     from_gguf_bytes
 from kvserve.model.gguf_convert import (NORM_SHIFT, ConversionError, architecture, dequantize,
-                                        hf_tensor_name, unpermute_qk)
+                                        hf_tensor_name, open_gguf, unpermute_qk)
 
 _log = structlog.get_logger()
 
@@ -82,13 +82,8 @@ def read_gguf_weights(gguf_path: Path, shapes: dict[str, tuple[int, ...]],
         ConversionError: an unreadable file, an unsupported architecture or
             a mis-shaped tensor (one line naming the file and the tensor).
     """
-    import gguf
-
     gguf_path = Path(gguf_path)
-    try:
-        reader = gguf.GGUFReader(gguf_path)
-    except (ValueError, OSError, IndexError, KeyError) as exc:
-        raise ConversionError(f"{gguf_path}: not a readable GGUF file ({exc})") from None
+    reader = open_gguf(gguf_path)
     arch = architecture(reader, gguf_path)
     shift = np.float32(NORM_SHIFT[arch])
     heads = {"attn_q.weight": n_head, "attn_k.weight": n_head_kv} if arch == "llama" else {}
@@ -240,8 +235,10 @@ def _pack_all(to_pack: list, gguf_path: Path, folder: Path | None, want: dict,
     offset = 0
     with handle:
         for group in _fusion_groups(to_pack):
-            packed = [(name, pack_tensor(_blocks_of(t), t.tensor_type.name, perm))
-                      for name, t, perm in group]
+            packed = []
+            for name, t, perm in group:
+                packed.append((name, pack_tensor(_blocks_of(t), t.tensor_type.name, perm)))
+                _drop_pages(t)
             for key in ("codes", "scales", "mins", "dd"):
                 pad = -offset % _ALIGN  # a group's arrays of one key end to end
                 handle.write(b"\0" * pad)
@@ -291,6 +288,29 @@ def _fusion_groups(to_pack: list) -> list[list]:
                     key, rank[name] = name.split(f".{part}.")[0] + "." + group, order
         groups.setdefault(key, []).append(item)
     return [sorted(group, key=lambda item: rank.get(item[0], 0)) for group in groups.values()]
+
+
+def _drop_pages(t: Any) -> None:
+    """Tell the kernel this process is done with tensor ``t``'s pages of the
+    mapped GGUF (``madvise(MADV_DONTNEED)``: file-backed, so they stay in the
+    page cache; only this process's resident set shrinks), so that packing
+    a 5 GB file does not hold the whole file resident beside its panels.
+    A no-op where the mapping or ``madvise`` is not available."""
+    import mmap
+
+    data = np.asarray(t.data)
+    base = data
+    while getattr(base, "base", None) is not None and not isinstance(base, mmap.mmap):
+        base = base.base
+    if not isinstance(base, mmap.mmap) or not hasattr(base, "madvise"):
+        return
+    start = data.ctypes.data - np.frombuffer(base, np.uint8, count=1).ctypes.data
+    page = mmap.PAGESIZE
+    lo = start // page * page
+    try:
+        base.madvise(mmap.MADV_DONTNEED, lo, start + data.nbytes - lo)
+    except (OSError, ValueError, AttributeError):
+        return
 
 
 def _blocks_of(t: Any) -> np.ndarray:

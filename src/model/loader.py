@@ -295,7 +295,8 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
 
 
 def find_gguf(path: Path) -> Path:
-    """The ``.gguf`` file in checkpoint folder ``path`` (``--quantization q4``).
+    """The ``.gguf`` file in checkpoint folder ``path`` (``--quantization q4``,
+    or a folder served from its GGUF).
 
     The default model's folder gets the GGUF it is converted from (fetched
     now if an older cache lacks it). Raises FileNotFoundError when ``path``
@@ -315,39 +316,6 @@ def find_gguf(path: Path) -> Path:
         raise ValueError(f"{path} holds several .gguf files ({', '.join(p.name for p in found)}); "
                          "keep the one this checkpoint was converted from")
     return found[0]
-
-
-#: The converted folder's cache of a K-quant mix's blocks (version 1 of the
-#: requantization rule, ``gguf_blocks._q8_0_bytes``).
-REQUANTIZED_BLOCKS_FILE = "gguf-blocks-q8_0-v1.npz"
-
-
-def load_gguf_blocks(path: Path, config: ModelConfig) -> dict[str, Any]:
-    """``{hf_name: BlockQuantizedWeight}`` of every Q4_0 / Q4_1 / Q8_0 tensor of
-    the GGUF in ``path`` (:func:`find_gguf`), shapes checked against ``config``.
-
-    Tensors of other types (a K-quant mix's Q5_0, Q4_K, Q6_K) are
-    requantized to Q8_0. Where any was, the result is kept in ``path /
-    REQUANTIZED_BLOCKS_FILE`` and read from there on the next start: reading
-    a GGUF of a 262,144-token vocabulary and requantizing takes most of a
-    start (``gguf``'s reader parses every token string).
-
-    Raises FileNotFoundError / ValueError as :func:`find_gguf` and
-    ``gguf_blocks.read_model_blocks`` do.
-    """
-    from kvserve.model.gguf_blocks import load_block_cache, read_model_blocks, save_block_cache
-
-    shapes = expected_tensor_shapes(config)
-    shapes.update(_optional_tensor_shapes(config))
-    cache = Path(path) / REQUANTIZED_BLOCKS_FILE
-    blocks = load_block_cache(cache) if cache.is_file() else None
-    if blocks is not None and all(shapes.get(n) == w.shape for n, w in blocks.items()):
-        return blocks
-    blocks = read_model_blocks(find_gguf(path), shapes, config.num_attention_heads,
-                               config.num_key_value_heads)
-    if any("<" in w.ggml_type for w in blocks.values()):
-        save_block_cache(cache, blocks)
-    return blocks
 
 
 def load_checkpoint_weights(path: Path, config: ModelConfig, quantization: str,

@@ -51,7 +51,7 @@ import numpy as np
 from kvserve.model.ggml_blocks import BlockQuantizedWeight, KQuantWeight, StackedWeight
 
 QUANTIZATIONS = ("none", "int8", "w8a8", "q4", "w4a8")
-#: Schemes that serve the checkpoint's GGUF blocks (``load_gguf_blocks``).
+#: Schemes that serve the checkpoint's GGUF blocks (``loader.load_checkpoint_weights``).
 BLOCK_SCHEMES = ("q4", "w4a8")
 #: Largest magnitude of a symmetric int8 code.
 INT8_MAX = 127

@@ -64,7 +64,7 @@ from kvserve.model.ggml_blocks import (  # noqa: E402
     from_gguf_bytes,
 )
 from kvserve.model.llama import LlamaModel  # noqa: E402
-from kvserve.model.loader import load_gguf_blocks  # noqa: E402
+from kvserve.model.loader import load_checkpoint_weights  # noqa: E402
 from kvserve.model.quantization import quantize_weight  # noqa: E402
 from kvserve.model.runner import ModelRunner  # noqa: E402
 
@@ -205,8 +205,8 @@ def _q4_model(tmp_path, spec, ops):
     """(config, the q4 model on ``ops``, the float32 weights the GGUF holds)."""
     config, weights = load_tiny(tmp_path, spec)
     values = write_gguf(tmp_path / "model.gguf", config, weights)
-    blocks = load_gguf_blocks(tmp_path, config)
-    model = LlamaModel(config, {**weights, **blocks}, ops, quantization="q4")
+    model = LlamaModel(config, load_checkpoint_weights(tmp_path, config, "q4"), ops,
+                       quantization="q4")
     return config, model, {**weights, **{k: v.astype(np.float32) for k, v in values.items()}}
 
 

@@ -22,7 +22,7 @@ import pytest
 from gemma_fixture import gemma_model_path  # noqa: F401 - the fixture
 
 from kvserve.model import gguf_model
-from kvserve.model.gguf_blocks import read_model_blocks
+from kvserve.model.gguf_weights import read_gguf_weights
 from kvserve.model.gguf_convert import (ConversionError, convert_gguf, expected_shapes,
                                         gemma3_layer_types, hf_tensor_name)
 from kvserve.model.gguf_model import ensure_gguf_checkpoint, gguf_file_of, resolve_model
@@ -185,46 +185,49 @@ def test_not_a_gguf_is_one_line(tmp_path: Path) -> None:
         convert_gguf(tmp_path / "bad.gguf", tmp_path / "out")
 
 
-# ---------------------------------------------------------------- q4 blocks of a mix
+# ---------------------------------------------------------------- blocks served in place
 
 
-def test_blocks_kept_only_for_kernel_types(tiny) -> None:
-    from kvserve.model.ggml_blocks import dequantize
-
-    gguf_path, out, hf = tiny
+def _served(gguf_path: Path, blocks: bool = True) -> dict:
     meta = {"arch": "gemma3", "hidden": H, "head_dim": HD, "vocab": VOCAB, "ffn": FFN,
             "n_head": HEADS, "n_head_kv": KV, "n_layer": LAYERS}
-    blocks = read_model_blocks(gguf_path, expected_shapes(meta), HEADS, KV,
-                               requantize_q8=False)
-    assert {name: w.ggml_type for name, w in blocks.items()} == {
-        "model.embed_tokens.weight": "Q8_0", "model.layers.1.self_attn.v_proj.weight": "Q8_0",
-        "model.layers.0.mlp.up_proj.weight": "Q4_0"}
-    for gguf_name, hf_name in (("token_embd.weight", "model.embed_tokens.weight"),
-                               ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight")):
-        np.testing.assert_array_equal(dequantize(blocks[hf_name]),
-                                      reference(gguf_name, stored(hf)[gguf_name]))
+    weights, _ = read_gguf_weights(gguf_path, expected_shapes(meta), HEADS, KV, blocks, None)
+    return weights
 
 
-def test_other_types_are_requantized_to_q8_0_within_half_a_step(tiny) -> None:
-    """Q5_0 tensors become Q8_0 blocks: each value within half a Q8_0 step
-    (max |w| of its 32 / 127 / 2), plus the float16 rounding of the block's
-    scale, of what the file holds."""
-    from kvserve.model.ggml_blocks import dequantize
+def test_blocks_served_as_the_file_holds_them(tiny) -> None:
+    """Q8_0 and Q4_0 tensors are the file's blocks, Q5_0 ones exact Q8_0
+    blocks of the same values; F32 norms are un-shifted; nothing requantized."""
+    from kvserve.model.ggml_blocks import BlockQuantizedWeight, dequantize
 
     gguf_path, out, hf = tiny
-    meta = {"arch": "gemma3", "hidden": H, "head_dim": HD, "vocab": VOCAB, "ffn": FFN,
-            "n_head": HEADS, "n_head_kv": KV, "n_layer": LAYERS}
-    blocks = read_model_blocks(gguf_path, expected_shapes(meta), HEADS, KV)
-    requantized = {n: w for n, w in blocks.items() if "<" in w.ggml_type}
-    assert requantized and {w.ggml_type for w in requantized.values()} == {"Q8_0<Q5_0"}
+    weights = _served(gguf_path)
+    kinds = {name: w.ggml_type for name, w in weights.items()
+             if isinstance(w, BlockQuantizedWeight)}
+    assert kinds["model.embed_tokens.weight"] == "Q8_0"
+    assert kinds["model.layers.1.self_attn.v_proj.weight"] == "Q8_0"
+    assert kinds["model.layers.0.mlp.up_proj.weight"] == "Q4_0"
+    assert set(kinds.values()) == {"Q8_0", "Q4_0", "Q5_0"}
     by_hf = {hf_tensor_name(g, "gemma3"): g for g in stored(hf)}
-    for name, weight in requantized.items():
-        source = reference(by_hf[name], stored(hf)[by_hf[name]]).reshape(weight.shape)
-        step = np.abs(source).reshape(weight.shape[0], -1, 32).max(axis=2) / 127
-        error = np.abs(dequantize(weight) - source).reshape(weight.shape[0], -1, 32)
-        # half a step, and the float16 rounding of the stored scale d (relative
-        # 2**-11, times |q| <= 127)
-        assert (error <= step[:, :, None] * (0.5 + 127 / 2048) + 1e-7).all(), name
+    for name, weight in weights.items():
+        want = reference(by_hf[name], stored(hf)[by_hf[name]])
+        if isinstance(weight, BlockQuantizedWeight):  # exact, Q5_0 included
+            np.testing.assert_array_equal(dequantize(weight), want.reshape(weight.shape), name)
+        else:  # F32 norms, stored as 1 + w
+            np.testing.assert_allclose(weight, hf[by_hf[name]], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_float_schemes_get_the_dequantized_file(tiny) -> None:
+    """Without blocks (``-q none`` on a GGUF) every tensor is the float32 the
+    converter would write: no checkpoint on disk needed."""
+    from safetensors.numpy import load_file
+
+    gguf_path, out, _ = tiny
+    weights = _served(gguf_path, blocks=False)
+    converted = load_file(str(out / "model.safetensors"))
+    assert set(weights) == set(converted)
+    for name, arr in converted.items():
+        np.testing.assert_array_equal(weights[name], arr, err_msg=name)
 
 
 # ---------------------------------------------------------------- --model x.gguf and the cache
@@ -332,21 +335,22 @@ def test_real_gemma_checkpoint(gemma_model_path: Path) -> None:  # noqa: F811
 
 @pytest.mark.gemma
 @pytest.mark.slow
-def test_real_gemma_q4_blocks(gemma_model_path: Path) -> None:  # noqa: F811
+def test_real_gemma_blocks_served_as_shipped(gemma_model_path: Path, tmp_path) -> None:  # noqa: F811
+    """Gemma 3 270M's Q4_K_M: its Q8_0 tensors as blocks, its Q5_0 ones as
+    exact Q8_0, its Q4_K and Q6_K ones on K-quant panels: none requantized."""
     from kvserve.model.gguf_convert import read_metadata
+    from kvserve.model.ggml_blocks import KQuantWeight
 
     import gguf
 
     gguf_path = next(gemma_model_path.glob("*.gguf"))
     meta = read_metadata(gguf.GGUFReader(gguf_path), gguf_path)
-    blocks = read_model_blocks(gguf_path, expected_shapes(meta), 4, 1)
-    assert blocks["model.embed_tokens.weight"].ggml_type == "Q8_0"
-    assert blocks["model.embed_tokens.weight"].shape == (262144, 640)
-    shipped = [n for n, w in blocks.items() if w.ggml_type == "Q8_0"]
-    assert sorted(int(n.split(".")[2]) for n in shipped if "v_proj" in n) == [0, 1, 4, 7, 10, 13,
-                                                                              15, 16, 17]
-    assert len(shipped) == 10
-    # every other projection requantized: 18 layers x 7 projections + the embedding
-    types = [w.ggml_type for w in blocks.values()]
-    assert len(blocks) == 127 and {t: types.count(t) for t in set(types)} == {
-        "Q8_0": 10, "Q8_0<Q5_0": 81, "Q8_0<Q4_K": 27, "Q8_0<Q6_K": 9}
+    weights, paths = read_gguf_weights(gguf_path, expected_shapes(meta), 4, 1, True, tmp_path)
+    assert weights["model.embed_tokens.weight"].ggml_type == "Q8_0"
+    assert weights["model.embed_tokens.weight"].shape == (262144, 640)
+    types = [w.ggml_type for w in weights.values() if hasattr(w, "ggml_type")]
+    assert {t: types.count(t) for t in set(types)} == {"Q8_0": 10, "Q5_0": 81, "Q4_K": 27,
+                                                        "Q6_K": 9}
+    assert all(isinstance(w, KQuantWeight) for w in weights.values()
+               if getattr(w, "ggml_type", "") in ("Q4_K", "Q6_K"))
+    assert set(paths) == {"F32", "Q8_0", "Q5_0", "Q4_K", "Q6_K"}
