@@ -107,18 +107,17 @@ def _q8_operand(x, act_q8, unused):
 
 
 @njit(nogil=True, cache=True)
-def _qk_operand(x, act_qk, unused):
-    """``(xq, xd, bsums)``: float32[S, K] ``x`` in Q8_K super-blocks
+def _qk_buffers(x, act_qk, unused):
+    """``(xq, xd, bsums)``: empty Q8_K buffers for float32[S, K] ``x``
     (``kquant_kernels.quantize_q8_k``) when ``act_qk`` (the model has K-quant
-    weights), else ``unused``."""
+    weights), else ``unused``; ``decode_layers`` fills them a row per
+    ``prange`` item (``quantize_q8_k_rows``: a ``prange`` is parallel only in
+    the parallel function's own body, not in a helper it calls)."""
     S, K = x.shape
     if not act_qk:
         return unused
-    xq = np.empty((S, K), np.int8)
-    xd = np.empty((S, K // QK_K), np.float32)
-    bsums = np.empty((S, K // 16), np.int32)
-    quantize_q8_k_rows(x, xq, xd, bsums, 0, S)
-    return xq, xd, bsums
+    return (np.empty((S, K), np.int8), np.empty((S, K // QK_K), np.float32),
+            np.empty((S, K // 16), np.int32))
 
 
 @njit(nogil=True, cache=True)
@@ -127,7 +126,7 @@ def _product_range(x, xq8, act_q8, panels, per_row, w, out, lo, hi, xqk):
     the Q8-activation integer kernels on ``xq8 = _q8_operand(x, True)``,
     a ``Q4P`` one the panels of ``panel_kernels`` when ``panels`` (lo
     and hi then multiples of ``LANES``); a K-quant weight its panels on
-    ``xqk = _qk_operand(x, True)`` (lo and hi multiples of ``KLANES``)."""
+    ``xqk``, its Q8_K buffers filled (lo and hi multiples of ``KLANES``)."""
     kind = w[0]
     if kind == NONE:
         return
@@ -293,7 +292,9 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
         second = np.empty((S, n2), np.float32)
         third = np.empty((S, n3), np.float32)
         xq8 = _q8_operand(xn, act_q8, no_q8)
-        xqk = _qk_operand(xn, act_qk, no_qk)
+        xqk = _qk_buffers(xn, act_qk, no_qk)
+        for r in prange(S if act_qk else 0):
+            quantize_q8_k_rows(xn, xqk[0], xqk[1], xqk[2], r, r + 1)
         for c in prange(n_chunks):
             lo, hi = _span(c, n_chunks, n1, panels, act_qk)
             _product_range(xn, xq8, act_q8, panels, per_row, qkv_w, qkv, lo, hi, xqk)
@@ -325,7 +326,9 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
 
         att2 = att.reshape(S, nh * hd)
         xq8 = _q8_operand(att2, act_q8, no_q8)
-        xqk = _qk_operand(att2, act_qk, no_qk)
+        xqk = _qk_buffers(att2, act_qk, no_qk)
+        for r in prange(S if act_qk else 0):
+            quantize_q8_k_rows(att2, xqk[0], xqk[1], xqk[2], r, r + 1)
         for c in prange(n_chunks):
             lo, hi = _span(c, n_chunks, H, panels, act_qk)
             _product_range(att2, xq8, act_q8, panels, per_row, o_w, x, lo, hi, xqk)
@@ -336,7 +339,9 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
         gu = np.empty((S, 2 * inter), np.float32)
         act = np.empty((S, inter), np.float32)
         xq8 = _q8_operand(xn, act_q8, no_q8)
-        xqk = _qk_operand(xn, act_qk, no_qk)
+        xqk = _qk_buffers(xn, act_qk, no_qk)
+        for r in prange(S if act_qk else 0):
+            quantize_q8_k_rows(xn, xqk[0], xqk[1], xqk[2], r, r + 1)
         for c in prange(n_chunks):
             lo, hi = _span(c, n_chunks, inter, panels, act_qk)
             _product_range(xn, xq8, act_q8, panels, per_row, gate_up_w, gu, lo, hi, xqk)
@@ -348,7 +353,9 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
                     act[t, i] = a / (np.float32(1.0) + np.exp(-a)) * gu[t, inter + i]
 
         xq8 = _q8_operand(act, act_q8, no_q8)
-        xqk = _qk_operand(act, act_qk, no_qk)
+        xqk = _qk_buffers(act, act_qk, no_qk)
+        for r in prange(S if act_qk else 0):
+            quantize_q8_k_rows(act, xqk[0], xqk[1], xqk[2], r, r + 1)
         for c in prange(n_chunks):
             lo, hi = _span(c, n_chunks, H, panels, act_qk)
             _product_range(act, xq8, act_q8, panels, per_row, down_w, x, lo, hi, xqk)
