@@ -254,6 +254,7 @@ def _pack_all(to_pack: list, gguf_path: Path, folder: Path | None, want: dict,
     for stale in folder.glob("kquant-panels-v*"):  # an older layout's
         if stale.name not in (PANEL_FILE, PANEL_INDEX):
             stale.unlink(missing_ok=True)
+    os.chmod(handle.name, 0o644)  # a temporary file is owner-only
     os.replace(handle.name, folder / PANEL_FILE)
     _write_json(folder / PANEL_INDEX, index)
     seconds = round(time.perf_counter() - started, 2)
