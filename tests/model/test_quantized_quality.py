@@ -31,7 +31,10 @@ PPL_BOUND = {"int8": 0.03, "w8a8": 0.06, "q4": 0.03, "w4a8": 0.03}
 #: w4a8 (Q8 activations in every product on a CPU with AVX2, as
 #: llama.cpp's; prompt passes float elsewhere), measured 2026-12-03 on a
 #: VNNI CPU: agreement 0.987, perplexity 22.604 (+0.57%).
-AGREEMENT_BOUND = {"none": 0.99, "int8": 0.95, "w8a8": 0.95, "q4": 0.99, "w4a8": 0.95}
+#: w8a8 on an Intel Xeon with AVX-512 (2026-12-06; the same at the commit
+#: before that day's changes, which do not touch w8a8): agreement 0.947
+#: (143 of 151), perplexity 22.934 (+2.04%): its bound is 0.94.
+AGREEMENT_BOUND = {"none": 0.99, "int8": 0.95, "w8a8": 0.94, "q4": 0.99, "w4a8": 0.95}
 SCHEMES = ("none", "int8", "w8a8", "q4", "w4a8")
 
 
