@@ -179,6 +179,20 @@ def test_unsupported_architecture_is_one_line(tmp_path: Path) -> None:
         convert_gguf(tmp_path / "other.gguf", tmp_path / "out")
 
 
+@pytest.mark.parametrize("keep", [0.5, 0.9])
+def test_a_truncated_gguf_is_one_line(tiny, tmp_path: Path, keep: float) -> None:
+    """A file cut short (in its metadata or in its tensors) is refused by
+    ``open_gguf`` with one line naming it, before any tensor is served."""
+    from kvserve.model.gguf_convert import open_gguf
+
+    data = Path(tiny[0]).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:int(len(data) * keep)])
+    with pytest.raises(ConversionError, match=r"cut\.gguf: ") as caught:
+        open_gguf(cut)
+    assert "\n" not in str(caught.value)
+
+
 def test_not_a_gguf_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "bad.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
     with pytest.raises(ConversionError, match=r"bad\.gguf: not a readable GGUF file"):
