@@ -73,6 +73,11 @@ QK_K = 256
 KLANES = 16
 #: Activation rows per register tile.
 ROWS = 4
+#: Super-blocks ahead whose codes the tile prefetches (``llvm.prefetch``):
+#: one row over 608 MiB of Q4_K panels read at 24.3-25.4 GB/s with 4, at
+#: 22.7-23.5 without (two runs each, this session's Xeon, 2 threads; 32 rows
+#: did not slow down).
+PREFETCH_AHEAD = 4
 #: The K-quant types, as the ``kind`` argument of the kernels.
 Q4_K, Q5_K, Q6_K = 0, 1, 2
 KIND_OF = {"Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K}
@@ -329,6 +334,9 @@ def _ktile_codegen(rows: int):
         v16b = _vec(_i8, L)
         fmuladd = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(vfloat, [vfloat] * 3), f"llvm.fmuladd.v{L}f32")
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_i8.as_pointer(), _i32, _i32, _i32]),
+            "llvm.prefetch.p0i8")
         accs = [cgutils.alloca_once_value(builder, ir.Constant(vfloat, [0.0] * L))
                 for _ in range(rows)]
         zero = ir.Constant(vint, [0] * L)
@@ -368,6 +376,12 @@ def _ktile_codegen(rows: int):
                 s = loop.index
                 isum = [zero] * rows
                 msum = [zero] * rows
+                # the codes of the super-block PREFETCH_AHEAD on, a cache line
+                # at a time (a hint: past the end of the array it is dropped)
+                ahead = builder.mul(builder.add(s, i64(PREFETCH_AHEAD)), i64(code_bytes * L))
+                for line in range(0, code_bytes * L, 64):
+                    ptr = builder.gep(c_row, [builder.add(ahead, i64(line))])
+                    builder.call(prefetch, [ptr, _i32(0), _i32(3), _i32(1)])
 
                 def scale_sub(j, sums):
                     sc = lane_bytes(s_row, s, nsub, j, kind == Q6_K)
