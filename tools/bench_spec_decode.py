@@ -30,11 +30,12 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
 
 import httpx
 
-from kvserve.bench.replay import run_replay, summarize
+from kvserve.bench.replay import machine_info, run_replay, summarize
 from kvserve.bench.server import ServerProcess
 from kvserve.bench.trace import TraceRequest
 from kvserve.model.default_model import ensure_default_model
@@ -130,7 +131,7 @@ async def replay(base_url: str, requests: list[TraceRequest], endpoint: str,
 
 def measure(spec: str | None, args: argparse.Namespace) -> dict:
     model = str(ensure_default_model())
-    flags = ["--model", model, "--stats-interval", "0"]
+    flags = ["--model", model, "--stats-interval", "0", *shlex.split(args.server_args)]
     if spec:
         flags += ["--speculative-config", spec.replace("{default_model}", model)]
     server = ServerProcess(flags)
@@ -168,6 +169,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--qa-requests", type=int, default=32)
     parser.add_argument("--qa-clients", type=int, default=8)
     parser.add_argument("--qa-tokens", type=int, default=64)
+    parser.add_argument("--server-args", default="",
+                        help="more 'kvserve serve' flags for every server, one string "
+                             "(e.g. '--quantization w4a8': the default model on its GGUF "
+                             "blocks)")
+    parser.add_argument("--out", default=None,
+                        help="write the rows, the command and the machine (CPU model, load) "
+                             "to this JSON file (a record for docs/benchmarks/)")
     return parser.parse_args(argv)
 
 
@@ -177,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(None, args)] + [measure(spec, args) for spec in specs]
     for row in rows:
         print(json.dumps(row), file=sys.stderr)
+    if args.out:
+        record = {"command": "python tools/bench_spec_decode.py " + " ".join(argv or sys.argv[1:]),
+                  "machine": machine_info(), "rows": rows}
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
     base = rows[0]
     print(f"\n{os.cpu_count()} CPUs\n")
     print("| --speculative-config | code edit decode tok/s (1 client) | speed-up | mean "

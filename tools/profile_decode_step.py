@@ -19,8 +19,11 @@ Per configuration it reports, per step:
 - ``op_calls``: calls of ``Ops`` methods, ``kernel_calls``: compiled calls.
 
 Usage:  .venv/bin/python tools/profile_decode_step.py [--quantization none q4]
-        [--batch 1 8] [--threads 1 2] [--modes 0 1] [--context 256] [--steps 30]
-        [--json out.json]
+        [--batch 1 8] [--query 1 9] [--threads 1 2] [--modes 0 1] [--context 256]
+        [--steps 30] [--json out.json]
+
+``--query 9``: steps of 9 new tokens per sequence, as a verification of 8
+speculative tokens (every token's logits).
 
 Record ``uptime`` next to the numbers: on a shared 2-core machine the load
 moves them.
@@ -120,10 +123,12 @@ def load_model(path, quantization: str, ops: CpuOps) -> LlamaModel:
     return LlamaModel(config, weights, ops, quantization)
 
 
-def decode_inputs(model: LlamaModel, batch: int, context: int, rng):
-    """KV caches with ``context`` random cached tokens per sequence and one decode step."""
+def decode_inputs(model: LlamaModel, batch: int, context: int, rng, query: int = 1):
+    """KV caches with ``context`` random cached tokens per sequence and one step of
+    ``query`` new tokens per sequence (1: decode; more: a speculative
+    verification, every token's logits)."""
     cfg = model.config
-    per_seq = (context + 1 + BLOCK_SIZE - 1) // BLOCK_SIZE
+    per_seq = (context + query + BLOCK_SIZE - 1) // BLOCK_SIZE
     num_blocks = batch * per_seq + 1
     caches = [model.ops.allocate_kv_cache(num_blocks, BLOCK_SIZE, cfg.num_key_value_heads,
                                           cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
@@ -131,21 +136,24 @@ def decode_inputs(model: LlamaModel, batch: int, context: int, rng):
         c[...] = rng.standard_normal(c.shape, dtype=np.float32) * 0.5
     tables = rng.permutation(num_blocks)[:batch * per_seq].astype(np.int32) \
         .reshape(batch, per_seq)
-    positions = np.full(batch, context, np.int64)
-    slots = tables[:, context // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE + context % BLOCK_SIZE
+    positions = np.tile(np.arange(context, context + query, dtype=np.int64), batch)
+    seq_of = np.repeat(np.arange(batch), query)
+    slots = tables[seq_of, positions // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE \
+        + positions % BLOCK_SIZE
     attn = AttentionMetadata(slot_mapping=slots, block_tables=tables,
-                             seq_lens=np.full(batch, context + 1, np.int32),
-                             query_start_loc=np.arange(batch + 1, dtype=np.int32))
-    ids = rng.integers(0, cfg.vocab_size, batch).astype(np.int64)
-    return ids, positions, attn, caches, np.arange(batch, dtype=np.int64)
+                             seq_lens=np.full(batch, context + query, np.int32),
+                             query_start_loc=np.arange(0, batch * query + 1, query,
+                                                       dtype=np.int32))
+    ids = rng.integers(0, cfg.vocab_size, batch * query).astype(np.int64)
+    return ids, positions, attn, caches, np.arange(batch * query, dtype=np.int64)
 
 
 def measure(model: LlamaModel, batch: int, context: int, steps: int, warmup: int,
-            modes: list[str]) -> dict[str, dict]:
+            modes: list[str], query: int = 1) -> dict[str, dict]:
     """Each mode's numbers; the modes' steps interleaved (one step of each in
     turn), so that a change of the machine's load hits them alike."""
     rng = np.random.default_rng(0)
-    ids, positions, attn, caches, rows = decode_inputs(model, batch, context, rng)
+    ids, positions, attn, caches, rows = decode_inputs(model, batch, context, rng, query)
 
     def step(mode):
         os.environ[ENV] = mode
@@ -209,6 +217,9 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["0", "1"],
                     help="KVSERVE_CPU_FUSED_DECODE values: 0 (op path), 1 (fused), layer")
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--query", nargs="+", type=int, default=[1],
+                    help="new tokens per sequence: 1 a decode step, more a speculative "
+                         "verification (every token's logits)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="write the results here")
@@ -222,16 +233,17 @@ def main() -> None:
         model = load_model(path, quant, ops)
         for threads in args.threads:
             ops.num_threads = threads
-            for batch in args.batch:
+            for batch, query in ((b, q) for b in args.batch for q in args.query):
                 load = os.getloadavg()
-                rows = measure(model, batch, args.context, args.steps, args.warmup, args.modes)
+                rows = measure(model, batch, args.context, args.steps, args.warmup, args.modes,
+                               query)
                 for mode, numbers in rows.items():
                     row = {"quantization": quant, "threads": threads, "batch": batch,
-                           "context": args.context, "fused": mode, **numbers,
+                           "query": query, "context": args.context, "fused": mode, **numbers,
                            "loadavg_before": [round(x, 2) for x in load],
                            "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
                     results.append(row)
-                    print(f"{quant:4} t={threads} b={batch} fused={mode:5} "
+                    print(f"{quant:4} t={threads} b={batch} q={query} fused={mode:5} "
                           f"fwd {row['forward_ms']:7.2f} ms (min {row['forward_ms_min']:7.2f})  "
                           f"kernels {row['kernel_ms']:7.2f}  overhead {row['overhead_ms']:6.2f}"
                           f"  ops {row['op_calls']:4}  kcalls {row['kernel_calls']:4}  "

@@ -1,6 +1,7 @@
 """Numba kernel of a fused CPU decode step: whole decoder layers in one compiled call.
 
-A decode-only batch (every sequence has exactly one new token) runs the
+A batch of one-token rows (a decode step; or a verification step whose
+sequences ``decode_path`` has split into a row per token, ``rows_share``) runs the
 layers ``[l0, l1)`` of the model in :func:`decode_layers`, one call for the
 step (or one per layer): per layer (residual add +) RMSNorm, the QKV product
 (+ bias), NeoX RoPE, the K/V write into the paged cache, paged attention
@@ -175,46 +176,53 @@ def _add_rms_norm(x, residual, weight, eps, add, out):
 
 
 @njit(nogil=True, cache=True)
-def _rope_kv_attend(s, kvh, qkv, positions, rope, kv_cache, slots, block_tables, seq_lens,
-                    scale, nh, nkv, q, att, kv_scales=None):
-    """Sequence s, KV head kvh: rotate its K and write K/V at ``slots[s]``
-    (skipped when negative), rotate the group's query heads into ``q`` and
-    attend over the sequence's ``seq_lens[s]`` cached positions into ``att``.
-    ``kv_scales``: None, or an int8 ``kv_cache`` 's float32 view: K (rotated
-    first, into a scratch vector) and V are quantized as written."""
-    hd = q.shape[2]
+def _rope_kv_write(s, kvh, qkv, positions, rope, kv_cache, slots, nh, nkv, kv_scales=None):
+    """Row s, KV head kvh: rotate its K and write K/V at ``slots[s]``
+    (skipped when negative). ``kv_scales``: None, or an int8 ``kv_cache`` 's
+    float32 view: K (rotated first, into a scratch vector) and V are
+    quantized as written."""
+    hd = rope.shape[1]
     half = hd // 2
-    group = nh // nkv
     bs = kv_cache.shape[2]
     p = positions[s]
     koff = nh * hd + kvh * hd
     voff = (nh + nkv) * hd + kvh * hd
     slot = slots[s]
-    if slot >= 0:
-        b = slot // bs
-        o = slot - b * bs
-        if kv_scales is None:
-            for i in range(half):
-                c = rope[p, i]
-                sn = rope[p, half + i]
-                k1 = qkv[s, koff + i]
-                k2 = qkv[s, koff + half + i]
-                kv_cache[b, 0, o, kvh, i] = k1 * c - k2 * sn
-                kv_cache[b, 0, o, kvh, half + i] = k2 * c + k1 * sn
-            for i in range(hd):
-                kv_cache[b, 1, o, kvh, i] = qkv[s, voff + i]
-        else:
-            k = np.empty(hd, np.float32)
-            for i in range(half):
-                c = rope[p, i]
-                sn = rope[p, half + i]
-                k1 = qkv[s, koff + i]
-                k2 = qkv[s, koff + half + i]
-                k[i] = k1 * c - k2 * sn
-                k[half + i] = k2 * c + k1 * sn
-            quantize_kv_vector(k, kv_cache[b, 0, o, kvh], kv_scales[b, 0, o, kvh])
-            quantize_kv_vector(qkv[s, voff:voff + hd], kv_cache[b, 1, o, kvh],
-                               kv_scales[b, 1, o, kvh])
+    if slot < 0:
+        return
+    b = slot // bs
+    o = slot - b * bs
+    if kv_scales is None:
+        for i in range(half):
+            c = rope[p, i]
+            sn = rope[p, half + i]
+            k1 = qkv[s, koff + i]
+            k2 = qkv[s, koff + half + i]
+            kv_cache[b, 0, o, kvh, i] = k1 * c - k2 * sn
+            kv_cache[b, 0, o, kvh, half + i] = k2 * c + k1 * sn
+        for i in range(hd):
+            kv_cache[b, 1, o, kvh, i] = qkv[s, voff + i]
+    else:
+        k = np.empty(hd, np.float32)
+        for i in range(half):
+            c = rope[p, i]
+            sn = rope[p, half + i]
+            k1 = qkv[s, koff + i]
+            k2 = qkv[s, koff + half + i]
+            k[i] = k1 * c - k2 * sn
+            k[half + i] = k2 * c + k1 * sn
+        quantize_kv_vector(k, kv_cache[b, 0, o, kvh], kv_scales[b, 0, o, kvh])
+        quantize_kv_vector(qkv[s, voff:voff + hd], kv_cache[b, 1, o, kvh],
+                           kv_scales[b, 1, o, kvh])
+
+
+@njit(nogil=True, cache=True)
+def _rope_q(s, kvh, qkv, positions, rope, nh, nkv, q):
+    """Row s: rotate the query heads of KV group kvh into ``q``."""
+    hd = q.shape[2]
+    half = hd // 2
+    group = nh // nkv
+    p = positions[s]
     for g in range(group):
         h = kvh * group + g
         qoff = h * hd
@@ -225,15 +233,46 @@ def _rope_kv_attend(s, kvh, qkv, positions, rope, kv_cache, slots, block_tables,
             q2 = qkv[s, qoff + half + i]
             q[s, h, i] = q1 * c - q2 * sn
             q[s, h, half + i] = q2 * c + q1 * sn
-    _attend_tile(q, kv_cache, block_tables[s], scale, s, 1, seq_lens[s] - 1, kvh, group, att, 0,
-                 kv_scales)
+
+
+@njit(nogil=True, cache=True)
+def _rope_q_attend(s, kvh, qkv, positions, rope, kv_cache, block_tables, seq_lens, scale, nh,
+                   nkv, q, att, kv_scales=None):
+    """Row s, KV head kvh: rotate the group's query heads into ``q`` and
+    attend over the row's ``seq_lens[s]`` cached positions into ``att``."""
+    _rope_q(s, kvh, qkv, positions, rope, nh, nkv, q)
+    _attend_tile(q, kv_cache, block_tables[s], scale, s, 1, seq_lens[s] - 1, kvh, nh // nkv, att,
+                 0, kv_scales)
+
+
+@njit(nogil=True, cache=True)
+def _rope_q_attend_tile(t0, t1, kvh, qkv, positions, rope, kv_cache, block_tables, scale, nh,
+                        nkv, q, att, kv_scales=None):
+    """Rows [t0, t1), consecutive tokens of one sequence (positions
+    ``positions[t0]`` ..), KV head kvh: rotate their query heads, then one
+    causal ``_attend_tile`` over the sequence's blocks, each K/V block read
+    once for the whole tile (a verification step's rows)."""
+    for s in range(t0, t1):
+        _rope_q(s, kvh, qkv, positions, rope, nh, nkv, q)
+    _attend_tile(q, kv_cache, block_tables[t0], scale, t0, t1 - t0, positions[t0], kvh,
+                 nh // nkv, att, 0, kv_scales)
+
+
+@njit(nogil=True, cache=True)
+def _rope_kv_attend(s, kvh, qkv, positions, rope, kv_cache, slots, block_tables, seq_lens,
+                    scale, nh, nkv, q, att, kv_scales=None):
+    """Row s, KV head kvh: :func:`_rope_kv_write`, then :func:`_rope_q_attend`
+    (the row's own K/V is the last position it attends to)."""
+    _rope_kv_write(s, kvh, qkv, positions, rope, kv_cache, slots, nh, nkv, kv_scales)
+    _rope_q_attend(s, kvh, qkv, positions, rope, kv_cache, block_tables, seq_lens, scale, nh,
+                   nkv, q, att, kv_scales)
 
 
 @njit(nogil=True, cache=True, parallel=True)
 def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, rope, slots,
                   block_tables, seq_lens, eps, scale, nh, nkv, n_chunks, act_q8, per_row,
-                  kv_scales=None, panels=False, act_qk=False):
-    """Layers [l0, l1) of a decode-only batch of S sequences, in place.
+                  kv_scales=None, panels=False, act_qk=False, rows_share=False, tiles=None):
+    """Layers [l0, l1) of a batch of S one-token rows, in place.
 
     Args:
         x: float32[S, H], the previous layer's MLP output; on return layer
@@ -265,12 +304,23 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
             by the caller). A layer's ``qkv2`` and ``qkv3`` (its 8th and 9th
             members) are the other parts of a q/k/v projection held as
             parts (``NONE``: none).
+        rows_share: some rows are tokens of one sequence (a speculative
+            verification or a short prompt chunk: ``decode_path`` gives each
+            token its own row, block table and causal context length): every
+            row's K/V is written before any row attends, one ``prange`` more
+            per layer, and the rows of a sequence attend as one tile
+            (``tiles``). False: each row is a sequence of its own, and a row
+            writes and attends in one ``prange`` item.
+        tiles: with ``rows_share``, int64[n + 1]: sequence i owns rows
+            ``tiles[i]:tiles[i + 1]``, consecutive positions (the step's
+            ``query_start_loc``); unread otherwise.
 
     Unchecked: the caller (``decode_path``) checks positions, slots, block
     ids and seq_lens against the cache and the tables.
     """
     S, H = x.shape
     hd = rope.shape[1]
+    n_tiles = tiles.shape[0] - 1 if rows_share else 0
     add = add_first
     xn = np.empty((S, H), np.float32)
     q = np.empty((S, nh, hd), np.float32)
@@ -313,16 +363,38 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
 
         att[:] = 0.0
         if kv_scales is None:
-            for item in prange(S * nkv):
-                s = item // nkv
-                _rope_kv_attend(s, item - s * nkv, qkv, positions, rope, kv_cache, slots,
-                                block_tables, seq_lens, scale, nh, nkv, q, att)
+            if rows_share:
+                for item in prange(S * nkv):
+                    s = item // nkv
+                    _rope_kv_write(s, item - s * nkv, qkv, positions, rope, kv_cache, slots,
+                                   nh, nkv)
+                for item in prange(n_tiles * nkv):
+                    i = item // nkv
+                    _rope_q_attend_tile(tiles[i], tiles[i + 1], item - i * nkv, qkv, positions,
+                                        rope, kv_cache, block_tables, scale, nh, nkv, q, att)
+            else:
+                for item in prange(S * nkv):
+                    s = item // nkv
+                    _rope_kv_attend(s, item - s * nkv, qkv, positions, rope, kv_cache, slots,
+                                    block_tables, seq_lens, scale, nh, nkv, q, att)
         else:
             layer_scales = kv_scales[li]
-            for item in prange(S * nkv):
-                s = item // nkv
-                _rope_kv_attend(s, item - s * nkv, qkv, positions, rope, kv_cache, slots,
-                                block_tables, seq_lens, scale, nh, nkv, q, att, layer_scales)
+            if rows_share:
+                for item in prange(S * nkv):
+                    s = item // nkv
+                    _rope_kv_write(s, item - s * nkv, qkv, positions, rope, kv_cache, slots,
+                                   nh, nkv, layer_scales)
+                for item in prange(n_tiles * nkv):
+                    i = item // nkv
+                    _rope_q_attend_tile(tiles[i], tiles[i + 1], item - i * nkv, qkv, positions,
+                                        rope, kv_cache, block_tables, scale, nh, nkv, q, att,
+                                        layer_scales)
+            else:
+                for item in prange(S * nkv):
+                    s = item // nkv
+                    _rope_kv_attend(s, item - s * nkv, qkv, positions, rope, kv_cache, slots,
+                                    block_tables, seq_lens, scale, nh, nkv, q, att,
+                                    layer_scales)
 
         att2 = att.reshape(S, nh * hd)
         xq8 = _q8_operand(att2, act_q8, no_q8)

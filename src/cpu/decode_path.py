@@ -1,15 +1,19 @@
 """The fused CPU decode step: when it applies, and the checks before the kernel.
 
 ``CpuOps.decode_layers`` (called by ``LlamaModel.hidden_states``) hands a
-decode-only step here; :func:`decode_layers` runs every decoder layer in
+step of short queries here (decode, speculative verification);
+:func:`decode_layers` runs every decoder layer in
 ``kvserve.cpu.decode_layer.decode_layers`` (one compiled call for the step)
 and returns ``(x, residual)``, or None where the op-by-op path must run:
 
 - ``KVSERVE_CPU_FUSED_DECODE=0`` in the environment (``=layer``: one
   compiled call per layer instead of one per step, for measurement);
-- a batch that is not decode-only (a sequence with other than one new
-  token), or more sequences than ``DENSE_MAX_SEQS`` (float32 weights: the op
-  path moves to BLAS sgemm there) or ``BLOCK_MAX_SEQS`` (GGUF blocks);
+- a sequence with more than ``MAX_QUERY_TOKENS`` new tokens (a prompt
+  chunk), or more tokens in all than ``DENSE_MAX_SEQS`` (float32 weights: the
+  op path moves to BLAS sgemm there) or ``BLOCK_MAX_SEQS`` (GGUF blocks).
+  A sequence of several new tokens (a speculative verification, a short
+  chunk) is given one row per token, with its sequence's block table and
+  its own causal context length, so the kernel sees one-token rows;
 - a layer weight other than float32 dense, a q4 / q8 ``BlockQuantizedWeight``
   or a ``KQuantWeight`` (int8, w8a8), a q/k/v ``StackedWeight`` of more than
   three parts, shapes that are not the model's, or, with K-quants, a product
@@ -55,11 +59,17 @@ ENV = "KVSERVE_CPU_FUSED_DECODE"
 DENSE_MAX_SEQS = 12
 #: Most sequences of a fused step with GGUF block weights (``block_ops.GEMV_MAX_ROWS``).
 BLOCK_MAX_SEQS = 256
+#: Most new tokens of one sequence in a fused step: a speculative verification
+#: (``num_speculative_tokens`` + 1) or a short prompt chunk, each token a row
+#: of its own with its causal context. Longer chunks take the op path's tiled
+#: prefill attention, which reads each K/V block once for a tile of queries.
+MAX_QUERY_TOKENS = 16
 
 _F32 = np.zeros((1, 1), np.float32)
 _U8 = np.zeros((1, 1), np.uint8)
 _I8 = np.zeros((1, 1), np.int8)
 _NO_BIAS = np.zeros(0, np.float32)
+_NO_TILES = np.zeros(1, np.int64)  # ``tiles`` of a step whose sequences have one token each
 #: The ``qkv2`` / ``qkv3`` of a layer whose q/k/v projection is fewer parts.
 _NO_WEIGHT = (dl.NONE, 0, _F32, _U8, _I8, _F32, _F32)
 
@@ -228,7 +238,7 @@ def _int(a: Any, dtype: type) -> np.ndarray:
 def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
                   kv_caches: list, num_threads: int, batch_invariant: bool = False,
                   x: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
-    """All decoder layers of a decode-only step, fused; None where the op path runs.
+    """All decoder layers of a step of short queries, fused; None where the op path runs.
 
     Args:
         hidden: float32[S, H], the embeddings of the step's S tokens.
@@ -253,12 +263,12 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
     mode = os.environ.get(ENV, "1")
     if mode == "0" or not hasattr(attn, "seq_lens"):
         return None
-    sl = np.asarray(attn.seq_lens)
-    S = sl.shape[0] if sl.ndim == 1 else -1
-    if S < 1 or getattr(hidden, "shape", None) != (S, model.config.hidden_size):
+    rows = _token_rows(attn)
+    if rows is None:
         return None
-    qsl = np.asarray(attn.query_start_loc)
-    if qsl.shape != (S + 1,) or not np.array_equal(qsl, np.arange(S + 1)):
+    bt, sl, tiles = rows
+    S = sl.shape[0]
+    if getattr(hidden, "shape", None) != (S, model.config.hidden_size):
         return None
     prep = _prepared(model)
     if prep is None or S > (DENSE_MAX_SEQS if prep.dense and not batch_invariant
@@ -269,15 +279,14 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
         return None
     pos = _int(positions, np.int64)
     slots = _int(attn.slot_mapping, np.int64)
-    bt = _int(attn.block_tables, np.int32)
-    sl = _int(sl, np.int32)
     if not _metadata_ok(pos, slots, bt, sl, S, kv_caches[0].shape, prep.rope.shape[0]):
         return None
     panels = prep.panels_ok and S >= block_dot_ops.PANEL_MIN_ROWS
     act_q8 = prep.act_q8 and (S <= Q8_MAX_ROWS or panels) and not batch_invariant
     # kv_scales, panels and act_qk always given: one signature per cache dtype,
     # as warmup's
-    extra = (scales, panels and act_q8, prep.act_qk)
+    extra = (scales, panels and act_q8, prep.act_qk, tiles is not None,
+             _NO_TILES if tiles is None else tiles)
     residual = hidden
     if not _f32(residual, 2):
         residual = np.array(hidden, dtype=np.float32, order="C")
@@ -300,6 +309,32 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
                              pos, prep.rope, slots, bt, sl, prep.eps, prep.scale, prep.nh,
                              prep.nkv, num_threads, act_q8, batch_invariant, *extra)
     return x, residual
+
+
+def _token_rows(attn: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """``(block_tables, seq_lens, tiles)`` per token of the step: int32[T, B]
+    and int32[T], each token its sequence's block table and causal context
+    (the sequence's ``seq_lens`` less the tokens after it in the step);
+    ``tiles`` None when every sequence has one token, else int64[S + 1], the
+    rows of each sequence (``query_start_loc``). None where the metadata is
+    malformed, or a sequence has no token or more than ``MAX_QUERY_TOKENS``
+    (a prompt chunk: the op path's tiled prefill)."""
+    sl = np.asarray(attn.seq_lens)
+    qsl = np.asarray(attn.query_start_loc)
+    bt = np.asarray(attn.block_tables)
+    S = sl.shape[0] if sl.ndim == 1 else -1
+    if S < 1 or qsl.shape != (S + 1,) or bt.ndim != 2 or bt.shape[0] != S \
+            or not np.issubdtype(qsl.dtype, np.integer):
+        return None
+    if np.array_equal(qsl, np.arange(S + 1)):
+        return _int(bt, np.int32), _int(sl, np.int32), None
+    q_lens = np.diff(qsl)
+    if qsl[0] != 0 or q_lens.min() < 1 or q_lens.max() > MAX_QUERY_TOKENS:
+        return None
+    seq_of = np.repeat(np.arange(S), q_lens)
+    after = qsl[1:][seq_of] - 1 - np.arange(seq_of.shape[0])  # tokens after each in its sequence
+    return (np.ascontiguousarray(bt[seq_of], np.int32),
+            np.ascontiguousarray(sl[seq_of] - after, np.int32), _int(qsl, np.int64))
 
 
 def _metadata_ok(pos: np.ndarray, slots: np.ndarray, bt: np.ndarray, sl: np.ndarray, S: int,
@@ -337,7 +372,8 @@ def warmup(kv_cache_dtype: str = "auto") -> None:
     cache = (np.zeros((2, 2, bs, nkv, hd + kv_quant.SCALE_BYTES), np.int8) if int8
              else np.zeros((2, 2, bs, nkv, hd), np.float32))
     caches = dl.typed_list([cache])
-    extra = (dl.typed_list([cache.view(np.float32)]) if int8 else None, False, False)
+    extra = (dl.typed_list([cache.view(np.float32)]) if int8 else None, False, False, False,
+             _NO_TILES)
     x = np.ones((1, H), np.float32)
     with PARALLEL_REGION:
         dl.decode_layers(0, 1, x, x.copy(), False, layers, caches, np.zeros(1, np.int64),

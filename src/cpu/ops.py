@@ -367,8 +367,8 @@ class CpuOps:
     def decode_layers(self, hidden: np.ndarray, model: Any, positions: np.ndarray, attn: Any,
                       kv_caches: list, x: np.ndarray | None = None
                       ) -> tuple[np.ndarray, np.ndarray] | None:
-        """A decode-only step's layers in one compiled call (``kvserve.cpu.decode_path``):
-        ``(x, residual)`` before the final norm, or None where the op path runs.
+        """A decode or verification step's layers in one compiled call
+        (``kvserve.cpu.decode_path``): ``(x, residual)`` before the final norm, or None where the op path runs.
         ``x``: a later pipeline stage's input MLP output (``hidden`` is then
         its residual stream)."""
         return decode_path.decode_layers(hidden, model, positions, attn, kv_caches,

@@ -309,8 +309,8 @@ class LlamaModel:
             x = None
         else:
             x, hidden = intermediate
-        # A backend may run a decode-only step's layers in one compiled call
-        # (CpuOps.decode_layers); None where it does not apply (and with
+        # A backend may run a step of short queries (decode, verification) in
+        # one compiled call (CpuOps.decode_layers); None where it does not apply (and with
         # tensor parallelism, whose all-reduces come between the products).
         fused = getattr(ops, "decode_layers", None) if self.all_reduce is None else None
         done = None

@@ -11,13 +11,15 @@ tokens in blocks of 4 (shuffled physical blocks), then two decode steps run
 on copies of the state, fused (``KVSERVE_CPU_FUSED_DECODE`` unset, and
 ``=layer``) and op by op (``=0``): batches of one and of three sequences.
 The logits and every KV cache must agree, the second step reading the K/V
-the first one wrote; with int8 KV caches (``--kv-cache-dtype int8``) too,
+the first one wrote; as for a verification step (sequences of 1, 4 and 2
+new tokens, a row per token in the fused kernel) and the decode after it; with int8 KV caches (``--kv-cache-dtype int8``) too,
 the caches byte for byte.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from pathlib import Path
 
@@ -224,15 +226,64 @@ def test_fused_decode_on_int8_caches_matches_op_path(model, prefilled, prefilled
         assert 0 < np.abs(got - flt).max() <= bound * np.abs(flt).max()
 
 
-def test_mixed_batch_takes_op_path(model, prefilled, monkeypatch):
-    """A prefill chunk next to a decode: no fused call, and the op path's result."""
-    monkeypatch.delenv(decode_path.ENV, raising=False)
+_PARAMS = list(inspect.signature(decode_layer.decode_layers.py_func).parameters)
+
+
+def _arg(args: tuple, name: str):
+    """Argument ``name`` of a ``decode_layer.decode_layers`` call's ``args``."""
+    return args[_PARAMS.index(name)]
+
+
+def _counted_steps(model, prefilled, steps, monkeypatch, mode):
+    """``steps`` (lists of chunks, as ``_step`` 's) on a copy of ``prefilled``
+    with ``KVSERVE_CPU_FUSED_DECODE=mode`` (None: unset): (logits, caches,
+    fused calls)."""
+    if mode is None:
+        monkeypatch.delenv(decode_path.ENV, raising=False)
+    else:
+        monkeypatch.setenv(decode_path.ENV, mode)
     calls = []
     kernel = decode_layer.decode_layers
     monkeypatch.setattr(decode_layer, "decode_layers",
-                        lambda *a: calls.append(1) or kernel(*a))
+                        lambda *a: calls.append(_arg(a, "rows_share")) or kernel(*a))
     caches = [c.copy() for c in prefilled[0]]
-    _step(model, caches, prefilled[1], [(0, [1], CONTEXTS[0]), (1, [2, 3], CONTEXTS[1])])
+    logits = [np.array(_step(model, caches, prefilled[1], chunks)) for chunks in steps]
+    return logits, caches, calls
+
+
+@pytest.mark.parametrize("cache", ["prefilled", "prefilled_int8"])
+def test_verification_step_matches_op_path(model, cache, request, monkeypatch):
+    """A step whose sequences have several new tokens (a speculative
+    verification: 1, 4 and 2 tokens) runs fused, a row per token with its
+    causal context (``rows_share``), each sequence's rows attending as one
+    tile, and equals the op path's prefill attention: every row's logits,
+    the K/V written (int8 caches byte for byte), and the next decode step
+    that reads them."""
+    prefilled = request.getfixturevalue(cache)
+    steps = [[(0, [1], CONTEXTS[0]), (1, [2, 3, 4, 5], CONTEXTS[1]), (2, [6, 7], CONTEXTS[2])],
+             [(0, [8], CONTEXTS[0] + 1), (1, [9], CONTEXTS[1] + 4), (2, [10], CONTEXTS[2] + 2)]]
+    ref_logits, ref_caches, ref_calls = _counted_steps(model, prefilled, steps, monkeypatch,
+                                                       "0")
+    assert not ref_calls
+    logits, caches, calls = _counted_steps(model, prefilled, steps, monkeypatch, None)
+    assert calls == [True, False]  # rows_share in the verification step only
+    for got, ref in zip(logits, ref_logits):
+        assert got.shape == ref.shape
+        assert np.abs(got - ref).max() <= TOL * np.abs(ref).max()
+        assert (got.argmax(1) == ref.argmax(1)).all()
+    for got, ref in zip(caches, ref_caches):
+        if got.dtype == np.int8:
+            np.testing.assert_array_equal(got, ref)
+        else:
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+
+
+def test_long_chunk_takes_op_path(model, prefilled, monkeypatch):
+    """A chunk of more than ``MAX_QUERY_TOKENS`` tokens next to a decode:
+    no fused call (the op path's tiled prefill attention)."""
+    n = decode_path.MAX_QUERY_TOKENS + 1
+    steps = [[(0, [1], CONTEXTS[0]), (1, list(range(2, 2 + n)), CONTEXTS[1])]]
+    _, _, calls = _counted_steps(model, prefilled, steps, monkeypatch, None)
     assert not calls
 
 
@@ -308,7 +359,7 @@ def test_w4a8_fused_decode_with_panels_matches_op_path(tmp_path, monkeypatch):
     seen = []
     kernel = decode_layer.decode_layers
     monkeypatch.setattr(decode_layer, "decode_layers",
-                        lambda *args: (seen.append(args[-2]), kernel(*args))[1])
+                        lambda *args: (seen.append(_arg(args, "panels")), kernel(*args))[1])
     ref_logits, ref_caches, _ = _decode_twice(w4a8, prefilled, (0, 1, 2), monkeypatch, "0")
     logits, caches, calls = _decode_twice(w4a8, prefilled, (0, 1, 2), monkeypatch, None)
     assert len(calls) == 2 and seen == [True, True]
