@@ -16,12 +16,15 @@ from kvserve.model.kv_quant import check_kv_cache_dtype, kv_bytes_per_token
 
 if TYPE_CHECKING:
     from kvserve.model.generation_config import GenerationDefaults
+    from kvserve.model.rope import RopeSpec
     from kvserve.testing.faults import FaultInjection
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "raw_logits")
 #: Weight schemes (``EngineConfig.quantization``, ``kvserve.model.quantization``).
 QUANTIZATIONS = ("none", "int8", "w8a8", "q4", "w4a8")
+#: ``--reasoning-parser`` values (vLLM's names; ``kvserve.api.reasoning``).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 #: ``ModelConfig.layer_types`` values (Hugging Face's names).
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 #: ``ModelConfig.hidden_activation`` values: SwiGLU (Llama) and GeGLU with
@@ -78,6 +81,9 @@ class ModelConfig:
       before RoPE; ``sandwich_norms``: RMSNorm of the attention output and
       of the MLP output before their residual adds, and a separate norm
       before the MLP (Gemma's four norms per layer).
+    - ``rope_scaling``: the full layers' scaled RoPE (``kvserve.model.rope``:
+      ``llama3``, ``linear``, ``yarn``, ``longrope``, or a GGUF's
+      ``rope_freqs``); None: plain RoPE of base ``rope_theta``. See :attr:`rope`.
 
     Raises ValueError for ``layer_types`` of another length than
     ``num_hidden_layers`` or with another value, a sliding layer without a
@@ -109,6 +115,7 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     qk_norm: bool = False
     sandwich_norms: bool = False
+    rope_scaling: RopeSpec | None = None
 
     def __post_init__(self) -> None:
         types = tuple(self.layer_types) or (FULL_ATTENTION,) * self.num_hidden_layers
@@ -134,6 +141,13 @@ class ModelConfig:
         if self.query_pre_attn_scalar is not None:
             return float(self.query_pre_attn_scalar) ** -0.5
         return self.head_dim ** -0.5
+
+    @property
+    def rope(self) -> RopeSpec:
+        """The full layers' RoPE: ``rope_scaling``, or plain RoPE of base ``rope_theta``."""
+        from kvserve.model.rope import RopeSpec  # NumPy: not at the CLI's import
+
+        return self.rope_scaling if self.rope_scaling is not None else RopeSpec(self.rope_theta)
 
     def layer_window(self, layer: int) -> int:
         """Tokens layer ``layer`` attends to: ``sliding_window`` on a sliding
@@ -407,6 +421,9 @@ class ServerConfig:
     ``generation_defaults``: the sampling fields a request that omits them
     gets (``kvserve.model.generation_config``: the checkpoint's
     ``generation_config.json`` under ``--generation-config``); None: none.
+    ``reasoning_parser`` (``--reasoning-parser``, ``kvserve.api.reasoning``):
+    chat answers' ``<think>`` thought goes into ``reasoning_content``; None:
+    left in the content.
     """
 
     host: str = "127.0.0.1"
@@ -421,6 +438,7 @@ class ServerConfig:
     max_connections: int = 2048
     max_header_bytes: int = 16 * 1024
     generation_defaults: GenerationDefaults | None = None
+    reasoning_parser: str | None = None
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,7 @@ def test_a_missing_folder_says_what_is_accepted(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     assert error_lines(kvserve("serve", "--model", str(missing), "--port", "0")) == [
         f"kvserve: error: --model {missing}: no such folder; {ACCEPTS} of a llama, mistral, "
-        "qwen2 or gemma3 model, or a .gguf file, or leave --model out for the default model "
+        "qwen2, qwen3, phi3 or gemma3 model, or a .gguf file, or leave --model out for the default model "
         "(SmolLM2-135M-Instruct)"]
 
 

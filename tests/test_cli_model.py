@@ -48,14 +48,14 @@ def test_a_missing_gguf_is_no_such_file(tmp_path: Path) -> None:
     missing = tmp_path / "absent.gguf"
     assert serve_errors(str(missing)) == [
         f"kvserve: error: --model {missing}: no such file; {ACCEPTS} of a llama, mistral, "
-        "qwen2 or gemma3 model, or a .gguf file"]
+        "qwen2, qwen3, phi3 or gemma3 model, or a .gguf file"]
 
 
 def test_a_missing_folder_is_one_line(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     assert serve_errors(str(missing)) == [
         f"kvserve: error: --model {missing}: no such folder; {ACCEPTS} of a llama, mistral, "
-        "qwen2 or gemma3 model, or a .gguf file, or leave --model out for the default model "
+        "qwen2, qwen3, phi3 or gemma3 model, or a .gguf file, or leave --model out for the default model "
         "(SmolLM2-135M-Instruct)"]
 
 
@@ -79,7 +79,7 @@ def test_a_folder_missing_checkpoint_files_names_them(tmp_path: Path, present: t
         (tmp_path / name).write_text("{}", encoding="utf-8")
     errors = serve_errors(str(tmp_path))
     assert errors == [f"kvserve: error: --model {tmp_path}: no {missing} in this folder; "
-                      f"{ACCEPTS} of a llama, mistral, qwen2 or gemma3 model, or a .gguf file"]
+                      f"{ACCEPTS} of a llama, mistral, qwen2, qwen3, phi3 or gemma3 model, or a .gguf file"]
 
 
 def test_quantization_auto_serves_a_gguf_on_its_own_blocks(tmp_path: Path) -> None:

@@ -1,10 +1,13 @@
 """Convert a llama.cpp GGUF file into a Hugging Face-layout checkpoint folder.
 
-Supported ``general.architecture`` values: ``llama`` (Llama, SmolLM2: the
-default model) and ``gemma3`` (Gemma 3 text models). The result is::
+Supported ``general.architecture`` values: ``llama`` (Llama 2/3.x, Mistral,
+SmolLM2: the default model), ``qwen2`` (Qwen 2/2.5), ``qwen3`` (Qwen3 dense),
+``phi3`` (Phi-3/3.5, Phi-4-mini without partial rotary) and ``gemma3`` (Gemma
+3 text models). The result is::
 
     model.safetensors       float32 tensors with Hugging Face names and shapes
-    config.json             LlamaForCausalLM or Gemma3ForCausalLM (gemma3_text) config
+    config.json             the family's config (model_type llama, qwen2, qwen3,
+                            phi3 or gemma3_text), RoPE scaling included
     tokenizer.json          HF ``tokenizers`` format (``kvserve.model.gguf_tokenizer``)
     tokenizer_config.json   special tokens, add_bos_token and the chat template (if any)
 
@@ -36,7 +39,16 @@ import numpy as np
 
 from kvserve.model.gguf_tokenizer import build_bpe_tokenizer, build_spm_tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3", "qwen2", "qwen3", "phi3")
+#: The HF ``model_type`` each architecture's config is written as.
+MODEL_TYPES = {"llama": "llama", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3",
+               "phi3": "phi3"}
+#: Tensors that hold RoPE frequency factors, not weights: read into the
+#: config (``rope_freqs``: llama.cpp's ``freq_factors`` of a Llama 3.x;
+#: ``rope_factors_*``: Phi-3's LongRoPE factors).
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+#: ``{arch}.rope.scaling.type`` values a GGUF may carry, and what they become.
+_GGUF_ROPE_SCALING = ("none", "linear", "yarn")
 
 
 class ConversionError(ValueError):
@@ -114,13 +126,16 @@ def read_metadata(reader: Any, gguf_path: Path) -> dict[str, Any]:
 
     Keys: ``arch``, ``n_layer``, ``hidden``, ``ffn``, ``n_head``, ``n_head_kv``,
     ``head_dim``, ``eps``, ``theta``, ``ctx``, ``vocab``, ``sliding_window``
-    (gemma3), ``tokenizer`` (``gpt2`` | ``llama``), ``tokens``, ``scores``,
+    (gemma3, phi3), RoPE scaling (``rope_scaling``: ``none`` | ``linear`` |
+    ``yarn``, ``rope_factor``, ``rope_orig_ctx``, ``rope_attn_factor``; the
+    factor tensors ``rope_freqs``, ``rope_factors_long`` / ``_short`` as float
+    lists or None), ``tokenizer`` (``gpt2`` | ``llama``), ``tokens``, ``scores``,
     ``merges``, ``token_types``, ``pre``, ``bos``, ``eos``, ``unk``, ``pad``,
     ``add_bos``, ``add_space_prefix``, ``chat_template``.
 
     Raises:
-        ConversionError: an unsupported architecture or tokenizer model, or a
-            missing key (named).
+        ConversionError: an unsupported architecture, tokenizer model or RoPE
+            scaling type, partial rotary, or a missing key (named).
     """
     arch = architecture(reader, gguf_path)
 
@@ -136,6 +151,17 @@ def read_metadata(reader: Any, gguf_path: Path) -> dict[str, Any]:
     if model not in ("gpt2", "llama"):
         raise ConversionError(f"{gguf_path}: unsupported tokenizer model {model!r} "
                               "(supported: 'gpt2' BPE, 'llama' SentencePiece)")
+    scaling = f(f"{arch}.rope.scaling.type", "none")
+    if scaling not in _GGUF_ROPE_SCALING:
+        raise ConversionError(f"{gguf_path}: {arch}.rope.scaling.type = {scaling!r} is not "
+                              f"supported ({', '.join(_GGUF_ROPE_SCALING)})")
+    rope_dims = f(f"{arch}.rope.dimension_count", None)
+    key_length = f(f"{arch}.attention.key_length", rope_dims or hidden // n_head)
+    if rope_dims is not None and int(rope_dims) != int(key_length):
+        raise ConversionError(f"{gguf_path}: {arch}.rope.dimension_count = {rope_dims} of a "
+                              f"head of {key_length}: partial rotary is not supported")
+    factors = {t.name: [float(v) for v in np.asarray(t.data, np.float32).reshape(-1)]
+               for t in reader.tensors if t.name in ROPE_TENSORS}
     return {
         "arch": arch,
         "n_layer": int(f(f"{arch}.block_count")),
@@ -143,13 +169,19 @@ def read_metadata(reader: Any, gguf_path: Path) -> dict[str, Any]:
         "ffn": int(f(f"{arch}.feed_forward_length")),
         "n_head": n_head,
         "n_head_kv": int(f(f"{arch}.attention.head_count_kv", n_head)),
-        "head_dim": int(f(f"{arch}.attention.key_length",
-                          f(f"{arch}.rope.dimension_count", hidden // n_head))),
+        "head_dim": int(key_length),
         "eps": float(f(f"{arch}.attention.layer_norm_rms_epsilon")),
         "theta": float(f(f"{arch}.rope.freq_base", 10000.0)),
         "ctx": int(f(f"{arch}.context_length")),
         "vocab": int(f(f"{arch}.vocab_size", len(tokens))),
         "sliding_window": f(f"{arch}.attention.sliding_window", None),
+        "rope_scaling": scaling,
+        "rope_factor": float(f(f"{arch}.rope.scaling.factor", 1.0)),
+        "rope_orig_ctx": f(f"{arch}.rope.scaling.original_context_length", None),
+        "rope_attn_factor": f(f"{arch}.rope.scaling.attn_factor", None),
+        "rope_freqs": factors.get("rope_freqs.weight"),
+        "rope_factors_long": factors.get("rope_factors_long.weight"),
+        "rope_factors_short": factors.get("rope_factors_short.weight"),
         "tokenizer": model,
         "tokens": tokens,
         "scores": _array(reader, "tokenizer.ggml.scores", float),
@@ -196,7 +228,19 @@ _GEMMA3_BLOCK_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_BLOCK_NAMES_BY_ARCH = {"llama": _BLOCK_NAMES, "gemma3": _GEMMA3_BLOCK_NAMES}
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+#: Phi-3 keeps HF's fused projections: ``attn_qkv`` (q, k, v rows) and
+#: ``ffn_up`` holding gate then up (``Phi3MiniModel`` writes ``gate_up_proj``
+#: unsplit); the loaders split them (:data:`FUSED_PARTS`).
+_PHI3_BLOCK_NAMES = {**{k: v for k, v in _BLOCK_NAMES.items()
+                        if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")},
+                     "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_BLOCK_NAMES_BY_ARCH = {"llama": _BLOCK_NAMES, "gemma3": _GEMMA3_BLOCK_NAMES,
+                        "qwen2": _BLOCK_NAMES, "qwen3": {**_BLOCK_NAMES, **_QK_NORM_NAMES},
+                        "phi3": _PHI3_BLOCK_NAMES}
+#: A fused HF module and its parts, rows in this order.
+FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -229,10 +273,22 @@ def expected_shapes(meta: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "mlp.down_proj.weight": (h, ffn),
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
     }
-    if meta.get("arch") == "gemma3":
+    arch = meta.get("arch")
+    if arch == "gemma3":
         per_layer.update({
             "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
             "pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
+    if arch == "qwen3":
+        per_layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    if arch == "qwen2":
+        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,)})
+    if arch == "phi3":
+        for part in ("q", "k", "v"):
+            del per_layer[f"self_attn.{part}_proj.weight"]
+        del per_layer["mlp.gate_proj.weight"], per_layer["mlp.up_proj.weight"]
+        per_layer.update({"self_attn.qkv_proj.weight": (q + 2 * kv, h),
+                          "mlp.gate_up_proj.weight": (2 * ffn, h)})
     for i in range(meta["n_layer"]):
         for suffix, shape in per_layer.items():
             shapes[f"model.layers.{i}.{suffix}"] = shape
@@ -284,7 +340,7 @@ def qk_heads(gguf_name: str, meta: dict[str, Any]) -> int | None:
 
 #: Added to every ``*norm.weight`` by llama.cpp's converter, per architecture
 #: (``Gemma3Model.norm_shift``); subtracted here.
-NORM_SHIFT = {"llama": 0.0, "gemma3": 1.0}
+NORM_SHIFT = {"llama": 0.0, "gemma3": 1.0, "qwen2": 0.0, "qwen3": 0.0, "phi3": 0.0}
 
 
 def dequantize(tensor: Any, gguf_path: Path) -> np.ndarray:
@@ -318,6 +374,8 @@ def convert_tensors(reader: Any, meta: dict[str, Any], gguf_path: Path) -> dict[
     shift = np.float32(NORM_SHIFT[meta["arch"]])
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
+        if t.name in ROPE_TENSORS:
+            continue  # in the config (read_metadata)
         name = hf_tensor_name(t.name, meta["arch"])
         if name is None or name not in shapes:
             raise ConversionError(f"{gguf_path}: unknown tensor {t.name!r}")
@@ -340,11 +398,48 @@ def convert_tensors(reader: Any, meta: dict[str, Any], gguf_path: Path) -> dict[
 # --------------------------------------------------------------------------- config files
 
 
+def _rope_config(meta: dict[str, Any], where: str) -> dict[str, Any]:
+    """The config keys of the GGUF's RoPE scaling (``kvserve.model.rope`` reads them).
+
+    ``rope_freqs`` (Llama 3.x: llama.cpp's converter writes the ``llama3``
+    factors as a tensor and no scaling keys) becomes kvserve's
+    ``rope_freq_factors``; Phi-3's two factor tensors a ``longrope``
+    ``rope_scaling`` with the file's attention factor; ``linear`` and
+    ``yarn`` their ``rope_scaling``."""
+    out: dict[str, Any] = {}
+    if meta["rope_freqs"] is not None:
+        out["rope_freq_factors"] = meta["rope_freqs"]
+    long, short = meta["rope_factors_long"], meta["rope_factors_short"]
+    if (long is None) != (short is None):
+        raise ConversionError(f"{where}: one of rope_factors_long / rope_factors_short only")
+    if long is not None:
+        if meta["rope_orig_ctx"] is None:
+            raise ConversionError(f"{where}: LongRoPE factors without "
+                                  f"{meta['arch']}.rope.scaling.original_context_length")
+        out["original_max_position_embeddings"] = int(meta["rope_orig_ctx"])
+        out["rope_scaling"] = {"rope_type": "longrope", "long_factor": long,
+                               "short_factor": short}
+        if meta["rope_attn_factor"] is not None:
+            out["rope_scaling"]["attention_factor"] = float(meta["rope_attn_factor"])
+    elif meta["rope_scaling"] == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": meta["rope_factor"]}
+    elif meta["rope_scaling"] == "yarn":
+        out["rope_scaling"] = {"rope_type": "yarn", "factor": meta["rope_factor"],
+                               "original_max_position_embeddings": int(
+                                   meta["rope_orig_ctx"] or meta["ctx"])}
+    return out
+
+
 def _llama_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
-    """The HF ``config.json`` contents for a converted llama GGUF."""
+    """The HF ``config.json`` contents for a converted llama, qwen2, qwen3 or
+    phi3 GGUF (each a Llama-family ``model_type``; Phi-3's sliding window
+    when the file gives one, 0 meaning none)."""
+    window = meta["sliding_window"] if meta["arch"] == "phi3" else None
     return {
         "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "model_type": MODEL_TYPES[meta["arch"]],
+        **({"sliding_window": int(window)} if window else {}),
+        **_rope_config(meta, f"GGUF {meta['arch']}"),
         "vocab_size": meta["vocab"],
         "hidden_size": meta["hidden"],
         "intermediate_size": meta["ffn"],
@@ -485,7 +580,8 @@ class ConvertedCheckpoint:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, weights: bool = True) -> ConvertedCheckpoint:
-    """Convert a ``llama`` or ``gemma3`` GGUF file into a Hugging Face checkpoint folder.
+    """Convert a ``llama``, ``gemma3``, ``qwen2``, ``qwen3`` or ``phi3`` GGUF file
+    into a Hugging Face checkpoint folder.
 
     Every tensor is dequantized to float32, renamed to its HF name, reshaped to
     the HF ``[out_features, in_features]`` layout; llama's ``attn_q``/``attn_k``
@@ -520,7 +616,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, weights: bool = True) -> Conver
         del tensors
     else:
         tied = not any(t.name == "output.weight" for t in reader.tensors)
-        count = len(reader.tensors)
+        count = sum(t.name not in ROPE_TENSORS for t in reader.tensors)
     _write_json(out_dir / "config.json", hf_config(meta, tied))
     try:
         tokenizer = build_tokenizer_from_meta(meta, gguf_path)

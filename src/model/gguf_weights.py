@@ -14,7 +14,10 @@ others             float32, dequantized by the ``gguf`` package (logged)
 =================  ==========================================================
 
 Llama's ``attn_q`` / ``attn_k`` rows are un-permuted as whole rows (the bytes of
-each block stay), as ``gguf_convert`` does for float tensors. The K-quant
+each block stay), as ``gguf_convert`` does for float tensors; Phi-3's fused
+``attn_qkv`` and ``ffn_up`` (gate and up) are served as their parts, whole
+rows each; RoPE factor tensors (``rope_freqs``, ``rope_factors_*``) are no
+weights (``gguf_convert`` puts them in the config). The K-quant
 panels are packed once and written to ``kquant-panels-v2.bin`` in the
 checkpoint's cache folder (an index beside it names each array's offset and
 the GGUF's size and modification time); later starts map that file and
@@ -39,8 +42,9 @@ import structlog
 
 from kvserve.model.ggml_blocks import BLOCK_KINDS, BlockQuantizedWeight, KQuantWeight, \
     from_gguf_bytes
-from kvserve.model.gguf_convert import (NORM_SHIFT, ConversionError, architecture, dequantize,
-                                        hf_tensor_name, open_gguf, unpermute_qk)
+from kvserve.model.gguf_convert import (FUSED_PARTS, NORM_SHIFT, ROPE_TENSORS, ConversionError,
+                                        architecture, dequantize, hf_tensor_name, open_gguf,
+                                        unpermute_qk)
 
 _log = structlog.get_logger()
 
@@ -61,7 +65,8 @@ PATHS = {"float": "float32", "blocks": "ggml blocks (Q8 activations with w4a8)",
 def read_gguf_weights(gguf_path: Path, shapes: dict[str, tuple[int, ...]],
                       n_head: int, n_head_kv: int, blocks: bool,
                       cache_folder: Path | None) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every tensor of a ``llama`` or ``gemma3`` GGUF, by HF name, served in place.
+    """Every tensor of a GGUF (``gguf_convert.SUPPORTED_ARCHITECTURES``), by HF
+    name, served in place.
 
     Args:
         gguf_path: the ``.gguf`` file.
@@ -91,26 +96,23 @@ def read_gguf_weights(gguf_path: Path, shapes: dict[str, tuple[int, ...]],
     out: dict[str, Any] = {}
     paths: dict[str, str] = {}
     pending: list[tuple[str, Any, np.ndarray | None, bool]] = []
-    for t in reader.tensors:
-        name = hf_tensor_name(t.name, arch)
-        shape = tuple(int(s) for s in reversed(t.shape))
-        if name is None or name not in shapes:
-            _log.warning("unexpected_tensor_dropped", file=str(gguf_path), tensor=t.name)
-            continue
-        if shapes[name] != shape:
-            raise ConversionError(f"{gguf_path}: tensor {t.name!r} has shape {shape}, "
-                                  f"expected {shapes[name]} for {name}")
+
+    def serve(t: Any, name: str, shape: tuple[int, ...], rows: np.ndarray | None) -> None:
+        """Serve rows ``rows`` of tensor ``t`` (None: all) under ``name``, of ``shape``."""
         kind = t.tensor_type.name
+        full = tuple(int(s) for s in reversed(t.shape))
         head_count = next((h for suffix, h in heads.items() if t.name.endswith(suffix)), None)
         perm = None if head_count is None else unpermute_qk(np.arange(shape[0]), head_count)
+        if rows is not None:
+            perm = rows if perm is None else rows[perm]
         if blocks and kind in KQUANT_KINDS:
             is_table = t.name == "token_embd.weight"
             pending.append((name, t, perm, is_table and not tied))
             paths[kind] = PATHS["kquant"]
         elif blocks and (kind in BLOCK_KINDS or kind == "Q5_0"):
             raw = np.asarray(t.data)
-            weight = (q5_0_as_q8_0(raw, shape) if kind == "Q5_0"
-                      else from_gguf_bytes(raw, kind, shape))
+            weight = (q5_0_as_q8_0(raw, full) if kind == "Q5_0"
+                      else from_gguf_bytes(raw, kind, full))
             if perm is not None:
                 weight = weight.map(lambda a: a[perm])
             out[name] = weight.map(np.ascontiguousarray)
@@ -128,9 +130,52 @@ def read_gguf_weights(gguf_path: Path, shapes: dict[str, tuple[int, ...]],
                 _log.warning("gguf_tensor_dequantized", tensor=t.name, ggml_type=kind,
                              message=f"{t.name} ({kind}): no kernel for this type, "
                                      "dequantized to float32")
+
+    for t in reader.tensors:
+        if t.name in ROPE_TENSORS:
+            continue  # RoPE factors: in the config (gguf_convert.read_metadata)
+        name = hf_tensor_name(t.name, arch)
+        shape = tuple(int(s) for s in reversed(t.shape))
+        if name is not None and name not in shapes and _fused_module(name) in FUSED_PARTS:
+            for part, part_shape, rows in _split(name, shape, shapes, gguf_path, t.name):
+                serve(t, part, part_shape, rows)
+            continue
+        if name is None or name not in shapes:
+            _log.warning("unexpected_tensor_dropped", file=str(gguf_path), tensor=t.name)
+            continue
+        if shapes[name] != shape:
+            raise ConversionError(f"{gguf_path}: tensor {t.name!r} has shape {shape}, "
+                                  f"expected {shapes[name]} for {name}")
+        serve(t, name, shape, None)
     if pending:
         out.update(_kquant_weights(pending, gguf_path, cache_folder))
     return out, paths
+
+
+def _fused_module(name: str) -> str:
+    """``self_attn.qkv_proj`` of ``model.layers.3.self_attn.qkv_proj.weight``."""
+    return name.rsplit(".", 1)[0].split(".", 3)[-1]
+
+
+def _split(name: str, shape: tuple[int, ...], shapes: dict[str, tuple[int, ...]],
+           gguf_path: Path, gguf_name: str) -> list[tuple[str, tuple[int, ...], np.ndarray]]:
+    """The parts of a fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``:
+    ``gguf_convert.FUSED_PARTS``) as ``(part name, part shape, its rows)``,
+    the parts' shapes those the model expects. Raises ConversionError when
+    they do not add up to the tensor's."""
+    module = _fused_module(name)
+    prefix, suffix = name[:name.index(module)], name.rsplit(".", 1)[1]
+    parts = [f"{prefix}{part}.{suffix}" for part in FUSED_PARTS[module]]
+    if any(p not in shapes for p in parts) or sum(shapes[p][0] for p in parts) != shape[0] \
+            or any(shapes[p][1:] != shape[1:] for p in parts):
+        raise ConversionError(f"{gguf_path}: tensor {gguf_name!r} of shape {shape} does not "
+                              f"split into {', '.join(parts)}")
+    out, start = [], 0
+    for part in parts:
+        n = shapes[part][0]
+        out.append((part, shapes[part], np.arange(start, start + n)))
+        start += n
+    return out
 
 
 def q5_0_as_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> BlockQuantizedWeight:
@@ -167,8 +212,9 @@ def _kquant_weights(pending: list, gguf_path: Path,
     from kvserve.cpu import kquant_kernels as kk
 
     to_pack = [(name, t, perm) for name, t, perm, table_only in pending if not table_only]
-    want = {name: [t.tensor_type.name, *(int(s) for s in reversed(t.shape))]
-            for name, t, _ in to_pack}
+    want = {name: [t.tensor_type.name, *(int(s) for s in reversed(t.shape)),
+                   *([] if perm is None else [int(perm[0]), len(perm)])]
+            for name, t, perm in to_pack}
     stat = gguf_path.stat()
     stamp = [stat.st_size, stat.st_mtime_ns]
     arrays = _map_panels(folder, want, stamp) if folder is not None else None
@@ -179,6 +225,8 @@ def _kquant_weights(pending: list, gguf_path: Path,
         kind = t.tensor_type.name
         n, k = (int(s) for s in reversed(t.shape))
         raw = np.asarray(t.data).reshape(n, k // kk.QK_K, kk.BLOCK_BYTES[kind])
+        if perm is not None:
+            n = len(perm)  # a part of a fused tensor, or llama's un-permuted q / k
         if table_only:
             out[name] = KQuantWeight(kind, n, k, None, None, None, None, raw)
             continue

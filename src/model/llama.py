@@ -40,6 +40,7 @@ from kvserve.model.ggml_blocks import (BlockQuantizedWeight, KQuantWeight, Stack
                                       concat_rows, dequantize, fuse_adjacent)
 from kvserve.model.ops import Ops, StepGeometry, build_rope_cache
 from kvserve.model.quantization import LinearWeight, quantize_weight
+from kvserve.model.rope import rope_table
 
 if TYPE_CHECKING:
     from kvserve.model.input_batch import BatchInputs
@@ -161,8 +162,8 @@ class LlamaModel:
             self.lm_head = (self.embed_tokens if config.tie_word_embeddings
                             else self._table(weights["lm_head.weight"]))
         self.layers = [self._load_layer(weights, i) for i in self.layer_range]
-        self.rope_cache = ops.to_device(build_rope_cache(
-            config.head_dim, config.max_position_embeddings, config.rope_theta))
+        self.rope_cache = ops.to_device(rope_table(
+            config.rope, config.head_dim, config.max_position_embeddings))
         self.recipes = self._recipes()
         self.scale = config.attention_scale
         self.activation = getattr(ops, _ACTIVATION_OPS[config.hidden_activation])
@@ -176,7 +177,8 @@ class LlamaModel:
         windows = [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)]
         local = self.rope_cache
         base = cfg.rope_local_base_freq
-        if any(windows) and base is not None and base != cfg.rope_theta:
+        if any(windows) and base is not None and (base != cfg.rope_theta
+                                                   or cfg.rope_scaling is not None):
             local = self.ops.to_device(build_rope_cache(
                 cfg.head_dim, cfg.max_position_embeddings, base))
         return [LayerRecipe(local if w else self.rope_cache, w) for w in windows]

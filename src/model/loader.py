@@ -20,8 +20,9 @@ import numpy as np
 import structlog
 
 from kvserve.config import ModelConfig
+from kvserve.model.rope import read_rope
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text", "gemma3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
 #: The Gemma 3 ``model_type`` s (``gemma3``: the multimodal wrapper, whose
 #: ``text_config`` is read; its vision tower is not served).
 GEMMA3_MODEL_TYPES = ("gemma3_text", "gemma3")
@@ -31,6 +32,43 @@ _GEMMA3_DEFAULTS = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
                     "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh",
                     "tie_word_embeddings": True, "max_position_embeddings": 131072}
 
+#: ``config.json`` keys that change no number kvserve computes: bookkeeping,
+#: training-only settings (dropout, initialisation), generation defaults
+#: (read from ``generation_config.json``), token ids read elsewhere.
+HARMLESS_CONFIG_KEYS = frozenset({
+    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
+    "use_cache", "initializer_range", "attention_dropout", "pretraining_tp", "pad_token_id",
+    "bos_token_id", "eos_token_id", "_name_or_path", "resid_pdrop", "embd_pdrop",
+    "auto_map", "tokenizer_class", "_attn_implementation_autoset", "output_attentions",
+    "output_hidden_states", "return_dict", "use_return_dict", "tie_encoder_decoder",
+    "is_decoder", "is_encoder_decoder", "chunk_size_feed_forward", "id2label", "label2id",
+    "problem_type", "task_specific_params", "finetuning_task", "tf_legacy_loss",
+    "pruned_heads", "torchscript", "add_cross_attention", "cross_attention_hidden_size",
+    "decoder_start_token_id", "sep_token_id", "prefix", "max_length", "min_length",
+    "do_sample", "early_stopping", "num_beams", "temperature", "top_k", "top_p",
+    "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens", "typical_p", "encoder_no_repeat_ngram_size",
+    "diversity_penalty", "num_beam_groups", "use_bfloat16", "unsloth_fixed",
+})
+#: The keys each Llama-family ``model_type`` reads (:func:`_llama_fields`);
+#: with :data:`HARMLESS_CONFIG_KEYS`, every key its transformers config class
+#: writes (``tests/model/test_families.py`` checks this against the
+#: reference checkpoints' configs).
+_COMMON_KEYS = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
+                "tie_word_embeddings", "hidden_act", "attention_bias", "mlp_bias",
+                "partial_rotary_factor", "quantization_config", "layer_types",
+                "rope_freq_factors"}
+CONFIG_KEYS_READ = {
+    "llama": _COMMON_KEYS,
+    "mistral": _COMMON_KEYS | {"sliding_window"},
+    "qwen2": _COMMON_KEYS | {"sliding_window", "use_sliding_window", "max_window_layers"},
+    "qwen3": _COMMON_KEYS | {"sliding_window", "use_sliding_window", "max_window_layers"},
+    "phi3": _COMMON_KEYS | {"sliding_window", "original_max_position_embeddings"},
+}
 _log = structlog.get_logger()
 
 # Tensors some checkpoints carry that inference does not need.
@@ -42,10 +80,11 @@ def load_model_config(path: Path) -> ModelConfig:
 
     Defaults follow Hugging Face: ``num_key_value_heads`` = ``num_attention_heads``,
     ``head_dim`` = hidden / heads, ``tie_word_embeddings`` False, ``rope_theta`` 10000,
-    ``rms_norm_eps`` 1e-6, ``attention_bias`` True for qwen2 (q/k/v biases) and the
-    ``attention_bias`` key otherwise. ``eos_token_id`` may be an int or a list; ids
-    from ``generation_config.json``, if present, are added. ``sliding_window`` is
-    ignored for the Llama family (:func:`_gemma3_fields` reads Gemma 3's keys).
+    ``rms_norm_eps`` 1e-6, ``attention_bias`` True for qwen2 (q/k/v biases).
+    ``eos_token_id`` may be an int or a list; ids from ``generation_config.json``,
+    if present, are added. :func:`_llama_fields` reads the Llama family's RoPE,
+    sliding windows and q/k norms, :func:`_gemma3_fields` Gemma 3's keys; each
+    refuses, naming the key, what would change the math and is not computed.
 
     Args:
         path: checkpoint folder.
@@ -72,8 +111,8 @@ def load_model_config(path: Path) -> ModelConfig:
             cfg = {**outer, **cfg["text_config"]}
         cfg = {**_GEMMA3_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
     try:
-        if model_type in GEMMA3_MODEL_TYPES:
-            extra = _gemma3_fields(path, cfg)
+        extra = (_gemma3_fields(path, cfg) if model_type in GEMMA3_MODEL_TYPES
+                 else _llama_fields(path, cfg, model_type))
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         fields = dict(
@@ -90,7 +129,7 @@ def load_model_config(path: Path) -> ModelConfig:
             rope_theta=float(cfg.get("rope_theta", 10000.0)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            attention_bias=model_type == "qwen2",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(path, cfg),
         )
@@ -102,6 +141,70 @@ def load_model_config(path: Path) -> ModelConfig:
         raise ValueError(f"{path / 'config.json'}: {exc}") from None
 
 
+def unread_config_keys(cfg: dict[str, Any], model_type: str) -> list[str]:
+    """Keys of a Llama-family ``config.json`` dict that kvserve neither reads
+    nor knows to be harmless (:data:`CONFIG_KEYS_READ`), sorted."""
+    read = CONFIG_KEYS_READ.get(model_type, set())
+    return sorted(k for k in cfg if k not in read and k not in HARMLESS_CONFIG_KEYS)
+
+
+def _llama_fields(path: Path, cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields of a Llama-family config (``llama``,
+    ``mistral``, ``qwen2``, ``qwen3``, ``phi3``) beyond the common ones:
+    RoPE (``kvserve.model.rope.read_rope``: ``rope_theta`` wherever it is,
+    scaled types), sliding windows (Mistral and Phi-3: every layer when
+    ``sliding_window`` is set; Qwen: layers from ``max_window_layers`` when
+    ``use_sliding_window``; or ``layer_types`` as given), Qwen3's q/k norms.
+
+    Raises ValueError naming the key for what would change the math and is
+    not computed: another activation, MLP biases, attention biases beyond
+    Qwen2's q/k/v, a RoPE type or key :func:`read_rope` refuses, a
+    ``quantization_config`` (pre-quantized GPTQ / AWQ / FP8 weights).
+    Keys it does not know are logged (``config_keys_not_read``), not refused.
+    """
+    where = f"{path / 'config.json'}"
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{where}: hidden_act = {act!r} is not supported (silu)")
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{where}: mlp_bias = true is not supported (MLP without biases)")
+    if cfg.get("attention_bias") and model_type != "qwen2":
+        raise ValueError(f"{where}: attention_bias = true is not supported for {model_type} "
+                         "(its q/k/v/o biases; Qwen2's q/k/v biases are)")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?") \
+            if isinstance(cfg["quantization_config"], dict) else "?"
+        raise ValueError(f"{where}: quantization_config ({method}) is not supported: serve "
+                         "the float checkpoint or a GGUF")
+    spec = read_rope(cfg, where)
+    layers = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if model_type in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window"):
+            window = None
+        if types is None:
+            first = int(cfg.get("max_window_layers", layers))
+            types = ["sliding_attention" if window is not None and i >= first
+                     else "full_attention" for i in range(layers)]
+    elif model_type == "llama":
+        window = None
+    if types is None:
+        types = ["sliding_attention" if window else "full_attention"] * layers
+    if "sliding_attention" not in types:
+        window = None
+    unread = unread_config_keys(cfg, model_type)
+    if unread:
+        _log.warning("config_keys_not_read", file=where, keys=unread)
+    return {
+        "rope_theta": spec.theta,
+        "rope_scaling": None if spec.is_default else spec,
+        "layer_types": tuple(types),
+        "sliding_window": int(window) if window else None,
+        "qk_norm": model_type == "qwen3",
+    }
+
+
 def _gemma3_fields(path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     """The Gemma 3 fields of :class:`ModelConfig` from a ``Gemma3TextConfig``
     dict (defaults already merged in).
@@ -109,23 +212,30 @@ def _gemma3_fields(path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     ``layer_types`` comes from the list when present, else from
     ``sliding_window_pattern`` as Hugging Face derives it (layer i is full
     iff ``(i + 1) % pattern == 0``: 6 gives layers 5, 11, 17, ... full).
+    RoPE: :func:`kvserve.model.rope.read_rope` for the full layers (Gemma 3
+    1B and larger scale them linearly), plain RoPE of
+    ``rope_local_base_freq`` for the sliding ones.
     Raises ValueError (naming the file) for what this model code does not
-    compute: logit soft-capping, RoPE scaling, another activation.
+    compute: logit soft-capping, a scaled RoPE on sliding layers, another
+    activation, or a RoPE :func:`read_rope` refuses.
     """
     where = path / "config.json"
-    for key in ("final_logit_softcapping", "attn_logit_softcapping", "rope_scaling"):
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if cfg.get(key) is not None:
             raise ValueError(f"{where}: {key} = {cfg[key]!r} is not supported (Gemma 3 "
-                             "without soft-capping or RoPE scaling only, as the 270M and 1B)")
-    rope_theta, local_theta = cfg["rope_theta"], cfg["rope_local_base_freq"]
-    params = cfg.get("rope_parameters")  # transformers 5: one dict per attention type
-    if isinstance(params, dict) and "full_attention" in params:
-        for kind in ("full_attention", "sliding_attention"):
-            if params.get(kind, {}).get("rope_type", "default") != "default":
-                raise ValueError(f"{where}: rope_parameters[{kind!r}] has rope_type "
-                                 f"{params[kind]['rope_type']!r}; only 'default' is supported")
-        rope_theta = params["full_attention"].get("rope_theta", rope_theta)
-        local_theta = params.get("sliding_attention", {}).get("rope_theta", local_theta)
+                             "without soft-capping only, as the 270M and 1B)")
+    # full layers: rope_theta and any rope_scaling (transformers 4), or
+    # rope_parameters["full_attention"] (5); sliding layers: plain RoPE of
+    # rope_local_base_freq, or rope_parameters["sliding_attention"]
+    full = read_rope(cfg, str(where), "full_attention", default_theta=cfg["rope_theta"])
+    local_theta = cfg["rope_local_base_freq"]
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        local = read_rope(cfg, str(where), "sliding_attention", default_theta=local_theta)
+        if not local.is_default:
+            raise ValueError(f"{where}: rope_parameters['sliding_attention'] has rope_type "
+                             f"{local.rope_type!r}; only 'default' is supported there")
+        local_theta = local.theta
     if cfg["hidden_activation"] not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"{where}: hidden_activation {cfg['hidden_activation']!r} is not "
                          "supported (gelu_pytorch_tanh)")
@@ -138,7 +248,8 @@ def _gemma3_fields(path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     return {
         "layer_types": tuple(types),
         "sliding_window": int(cfg["sliding_window"]),
-        "rope_theta": float(rope_theta),
+        "rope_theta": full.theta,
+        "rope_scaling": None if full.is_default else full,
         "rope_local_base_freq": float(local_theta),
         "query_pre_attn_scalar": float(cfg["query_pre_attn_scalar"]),
         "hidden_activation": "gelu_pytorch_tanh",
@@ -242,7 +353,7 @@ def load_weights(path: Path, config: ModelConfig, dtype: Any = np.float32) -> di
     weights: dict[str, np.ndarray] = {}
     origin: dict[str, Path] = {}
     for file in files:
-        for name, arr in _read_safetensors(file).items():
+        for name, arr in _split_fused(_read_safetensors(file), config).items():
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name not in shapes:
@@ -260,6 +371,29 @@ def load_weights(path: Path, config: ModelConfig, dtype: Any = np.float32) -> di
         raise ValueError(f"{path}: missing tensor {missing[0]!r}"
                          + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     return weights
+
+
+def _split_fused(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+    """Phi-3's fused projections under Llama's names: ``self_attn.qkv_proj``
+    [(nh + 2 nkv) hd, H] as ``q_proj`` / ``k_proj`` / ``v_proj`` (rows in that
+    order) and ``mlp.gate_up_proj`` [2 I, H] as ``gate_proj`` / ``up_proj``
+    (gate first, as ``Phi3MLP`` chunks it); views, no copy. Other names pass."""
+    out: dict[str, np.ndarray] = {}
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    inter = config.intermediate_size
+    for name, arr in tensors.items():
+        if name.endswith("self_attn.qkv_proj.weight") and arr.shape[0] == q + 2 * kv:
+            stem = name.removesuffix("qkv_proj.weight")
+            out.update({f"{stem}q_proj.weight": arr[:q], f"{stem}k_proj.weight": arr[q:q + kv],
+                        f"{stem}v_proj.weight": arr[q + kv:]})
+        elif name.endswith("mlp.gate_up_proj.weight") and arr.shape[0] == 2 * inter:
+            stem = name.removesuffix("gate_up_proj.weight")
+            out.update({f"{stem}gate_proj.weight": arr[:inter],
+                        f"{stem}up_proj.weight": arr[inter:]})
+        else:
+            out[name] = arr
+    return out
 
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}

@@ -272,7 +272,7 @@ def test_gemma3_multimodal_config_reads_its_text_config(tmp_path):
 
 @pytest.mark.parametrize("key, value", [("final_logit_softcapping", 30.0),
                                         ("attn_logit_softcapping", 50.0),
-                                        ("rope_scaling", {"rope_type": "linear", "factor": 8.0}),
+                                        ("rope_scaling", {"rope_type": "dynamic", "factor": 8.0}),
                                         ("hidden_activation", "gelu"),
                                         ("layer_types", ["full_attention"] * 3)])
 def test_gemma_config_refuses_what_the_model_does_not_compute(tmp_path, key, value):
@@ -281,3 +281,30 @@ def test_gemma_config_refuses_what_the_model_does_not_compute(tmp_path, key, val
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=key if key != "hidden_activation" else "activation"):
         load_model_config(tmp_path)
+
+
+def test_gemma_linear_rope_scaling_scales_the_full_layers_only(tmp_path):
+    """Gemma 3 4B and larger scale their full layers' RoPE linearly
+    (``rope_scaling: {"rope_type": "linear", "factor": 8.0}`` in transformers
+    4's form): the full layers' table is the scaled one, the sliding
+    layers' the plain one of ``rope_local_base_freq``."""
+    from kvserve.model.ops import build_rope_cache
+    from kvserve.model.rope import RopeSpec, rope_table
+
+    from kvserve.model.loader import load_weights
+
+    write_tiny_gemma(tmp_path, SPEC)
+    cfg = SPEC.config_json()
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 8.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    config = load_model_config(tmp_path)
+    assert config.rope_scaling == RopeSpec(config.rope_theta, "linear", factor=8.0)
+    model = LlamaModel(config, load_weights(tmp_path, config), CpuOps(num_threads=1))
+    hd, n = config.head_dim, config.max_position_embeddings
+    full = config.layer_types.index("full_attention")
+    sliding = config.layer_types.index("sliding_attention")
+    np.testing.assert_array_equal(model.recipes[full].rope_cache,
+                                  rope_table(config.rope_scaling, hd, n))
+    np.testing.assert_array_equal(model.recipes[sliding].rope_cache,
+                                  build_rope_cache(hd, n, config.rope_local_base_freq))
