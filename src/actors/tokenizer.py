@@ -277,7 +277,8 @@ class TokenizerActor(Actor):
             return tuple(message.prompt_token_ids)
         if message.messages is not None:
             try:  # message contents are text: special-token strings in them stay text
-                return tuple(self.tokenizer.encode_chat(list(message.messages)))
+                return tuple(self.tokenizer.encode_chat(list(message.messages),
+                                                        **(message.chat_template_kwargs or {})))
             except ValueError as exc:
                 raise PromptError(f"Cannot apply the chat template: {exc}", param="messages") from exc
         return tuple(self.tokenizer.encode(message.prompt or "", add_special_tokens=True,

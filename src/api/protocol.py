@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvserve.actors.detokenizer import TokenOffsets
 from kvserve.actors.messages import RequestOutput
+from kvserve.api.reasoning import ReasoningStream, split_reasoning
 from kvserve.api.tool_calls import ToolCallStream, parse_tool_calls, render_messages, tool_grammar
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.core.structured_outputs import StructuredOutputsParams, closed_objects
@@ -350,12 +351,20 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         raise ValueError("logit_bias keys must be token ids (integers)") from exc
 
 
+#: Chat-template variables the renderer sets (``Tokenizer.apply_chat_template``).
+RESERVED_TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token",
+                           "raise_exception", "tools")
+
+
 class ChatCompletionRequest(_CommonRequest):
     """Body of ``POST /v1/chat/completions``.
 
     Tools (``kvserve.api.tool_calls``): ``tools``, ``tool_choice`` (``none``,
     ``auto``, the default when tools are given, ``required`` or a named
     function) and ``parallel_tool_calls``.
+    ``chat_template_kwargs`` (vLLM's): more variables for the chat template,
+    e.g. Qwen3's ``{"enable_thinking": false}``; the names the renderer sets
+    itself (:data:`RESERVED_TEMPLATE_NAMES`) are refused.
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -365,6 +374,15 @@ class ChatCompletionRequest(_CommonRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _template_kwargs(self) -> ChatCompletionRequest:
+        for name in self.chat_template_kwargs or ():
+            if name in RESERVED_TEMPLATE_NAMES or not name.isidentifier():
+                raise ValueError(f"chat_template_kwargs: {name!r} cannot be set (the renderer "
+                                 f"sets {', '.join(RESERVED_TEMPLATE_NAMES)})")
+        return self
 
     @property
     def tools_active(self) -> bool:
@@ -595,6 +613,7 @@ class ChoiceState:
     num_chars: int = 0
     echoed: bool = False
     tool_stream: ToolCallStream | None = None
+    reasoning_stream: ReasoningStream | None = None
 
     def add(self, output: RequestOutput, token_text: TokenText | None = None) -> list[int]:
         """Fold one ``RequestOutput`` of this choice in; returns its tokens' offsets.
@@ -745,6 +764,9 @@ class Renderer:
     (streamed as ``delta.tool_calls``, one complete call per delta), as
     ``ToolReply`` says; when the answer is forced to be calls, a block cut
     off by ``max_tokens`` is dropped, not returned as text.
+    ``reasoning`` (``--reasoning-parser``): chat answers' thought goes into
+    ``message.reasoning_content`` (``delta.reasoning_content``), out of the
+    content, before tool calls are parsed (``kvserve.api.reasoning``).
     """
 
     kind: Literal["chat", "completion"]
@@ -761,6 +783,7 @@ class Renderer:
     hidden_token_ids: frozenset[int] = frozenset()
     tools: ToolReply | None = None  # parse <tool_call> blocks out of chat answers
     continuous_usage: bool = False  # usage so far in every chunk
+    reasoning: str | None = None  # --reasoning-parser: <think> ... </think> out of chat content
     _streamed: dict[int, ChoiceState] = field(default_factory=dict)
 
     @property
@@ -821,6 +844,9 @@ class Renderer:
         finish = choice.finish_reason
         if self.kind == "chat":
             out["message"] = {"role": "assistant", "content": text, "refusal": None}
+            if self.reasoning is not None:
+                thought, text = split_reasoning(text, self.reasoning)
+                out["message"].update(content=text, reasoning_content=thought)
             if self.tools is not None:
                 content, calls = parse_tool_calls(text)
                 if not self.tools.parallel:
@@ -875,15 +901,25 @@ class Renderer:
                             else _merge_logprobs(prompt_part, logprobs))
         finish = output.finish_reason
         calls: list[dict[str, Any]] = []
+        thought = ""
+        if self.kind == "chat" and self.reasoning is not None:
+            stream = state.reasoning_stream = (state.reasoning_stream
+                                               or ReasoningStream(self.reasoning))
+            thought, text = stream.feed(text)
+            if finish is not None:
+                more_thought, more_text = stream.finish()
+                thought, text = thought + more_thought, text + more_text
         if self.kind == "chat" and self.tools is not None:
             text, calls, finish = self._tool_delta(self.tools, state, text, finish)
             if self.tools.forced:
                 text = ""
-        if not text and not calls and logprobs is None and finish is None:
+        if not text and not thought and not calls and logprobs is None and finish is None:
             return None
         choice: dict[str, Any] = {"index": output.index}
         if self.kind == "chat":
             choice["delta"] = {"content": text} if text else {}
+            if thought:
+                choice["delta"]["reasoning_content"] = thought
             if calls:
                 choice["delta"]["tool_calls"] = calls
         else:

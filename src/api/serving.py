@@ -629,7 +629,8 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
     inputs: dict[str, Any]
     if isinstance(body, ChatCompletionRequest):
         check_chat_template(engine)
-        inputs = {"messages": tuple(body.template_messages())}
+        inputs = {"messages": tuple(body.template_messages()),
+                  "chat_template_kwargs": body.chat_template_kwargs}
     else:
         try:
             text, token_ids = body.prompt_input()
@@ -650,7 +651,8 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
                         echo_text=inputs.get("prompt") if echo else None,
                         hidden_token_ids=_hidden_ids(engine, params),
                         tools=body.tool_reply() if isinstance(body, ChatCompletionRequest)
-                        else None)
+                        else None,
+                        reasoning=config.reasoning_parser if kind == "chat" else None)
     if config.log_prompts:
         log.info("api_request_prompt", request_id=request_id, prompt=inputs.get("prompt"),
                  prompt_token_ids=inputs.get("prompt_token_ids"),

@@ -264,3 +264,17 @@ def test_a_prompt_longer_than_the_context_can_hold_is_refused_untokenized(tok):
     assert failures["huge-chat"].param == "messages"
     assert "can hold" in failures["huge"].message
     assert not [c for c in tok.calls if c[0] in ("encode", "template")], tok.calls
+
+
+def test_chat_template_kwargs_reach_the_template(tok):
+    """A chat request's ``chat_template_kwargs`` (Qwen3's ``enable_thinking``)
+    are the template's variables when the tokenizer actor renders it."""
+    seen = []
+    render = tok.apply_chat_template
+    tok.apply_chat_template = lambda messages, **kw: seen.append(kw) or render(messages, **kw)
+    received, failures = asyncio.run(run_batch(tok, [
+        request("kw", messages=({"role": "user", "content": "hi"},),
+                chat_template_kwargs={"enable_thinking": False}),
+        request("plain", messages=({"role": "user", "content": "hi"},))]))
+    assert not failures and len(received) == 2
+    assert sorted(seen, key=len) == [{}, {"enable_thinking": False}]  # any order
