@@ -29,9 +29,10 @@ from typing import NoReturn
 
 import structlog
 
-from kvserve.config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, REASONING_PARSERS, CacheConfig,
-                            EngineConfig, ParallelConfig, SchedulerConfig, ServerConfig,
-                            SpeculativeConfig, StructuredOutputsConfig, parse_size)
+from kvserve.config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, REASONING_PARSERS,
+                            TOOL_CALL_PARSERS, CacheConfig, EngineConfig, ParallelConfig,
+                            SchedulerConfig, ServerConfig, SpeculativeConfig,
+                            StructuredOutputsConfig, parse_size)
 from kvserve.model.kv_quant import KV_CACHE_DTYPES
 from kvserve.observability.log import LOG_FORMATS, LOG_LEVELS
 from kvserve.thread_env import apply_thread_pool_env
@@ -611,6 +612,11 @@ def _add_server_args(server: argparse._ArgumentGroup) -> None:
                              "flag): auto = the model folder's generation_config.json, vllm = "
                              "none (temperature 1.0), FOLDER = that folder's file, whose "
                              "max_new_tokens also caps max_tokens")
+    server.add_argument("--tool-call-parser", default="auto",
+                        choices=("auto", *TOOL_CALL_PARSERS),
+                        help="the format of the model's tool calls, as vLLM names them "
+                             "(hermes: Qwen 2.5 / 3; llama3_json: Llama 3.x; mistral; "
+                             "phi4_mini_json); auto: the chat template's markers, else hermes")
     server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="split a thinking model's <think>...</think> out of chat answers "
                              "into reasoning_content, as vLLM does (deepseek_r1: the template "
@@ -778,7 +784,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         timeout_request_head=args.timeout_request_head,
         timeout_request_body=args.timeout_request_body,
         max_connections=fit_file_limit(args.max_connections),
-        max_header_bytes=args.max_header_bytes, reasoning_parser=args.reasoning_parser)
+        max_header_bytes=args.max_header_bytes, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser)
 
 
 def _url(host: str, port: int) -> str:

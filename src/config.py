@@ -23,6 +23,8 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECAS
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "raw_logits")
 #: Weight schemes (``EngineConfig.quantization``, ``kvserve.model.quantization``).
 QUANTIZATIONS = ("none", "int8", "w8a8", "q4", "w4a8")
+#: ``--tool-call-parser`` values besides ``auto`` (vLLM's names; ``kvserve.api.tool_calls``).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini_json")
 #: ``--reasoning-parser`` values (vLLM's names; ``kvserve.api.reasoning``).
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 #: ``ModelConfig.layer_types`` values (Hugging Face's names).
@@ -421,7 +423,9 @@ class ServerConfig:
     ``generation_defaults``: the sampling fields a request that omits them
     gets (``kvserve.model.generation_config``: the checkpoint's
     ``generation_config.json`` under ``--generation-config``); None: none.
-    ``reasoning_parser`` (``--reasoning-parser``, ``kvserve.api.reasoning``):
+    ``tool_call_parser`` (``--tool-call-parser``, ``kvserve.api.tool_calls``):
+    the format chat answers' tool calls are parsed in (``auto``: the chat
+    template's). ``reasoning_parser`` (``--reasoning-parser``, ``kvserve.api.reasoning``):
     chat answers' ``<think>`` thought goes into ``reasoning_content``; None:
     left in the content.
     """
@@ -439,6 +443,7 @@ class ServerConfig:
     max_header_bytes: int = 16 * 1024
     generation_defaults: GenerationDefaults | None = None
     reasoning_parser: str | None = None
+    tool_call_parser: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -596,6 +596,13 @@ MUTANTS: tuple[Mutant, ...] = (
            (("keep = _partial_suffix(text, END)", "keep = 0"),),
            ("tests/api/test_reasoning.py",),
            "a </think> split across stream pieces leaks into the streamed thought"),
+    Mutant("tool_llama3_bare_json_missed", "api/tool_calls.py",
+           (('"llama3_json": ToolFormat("llama3_json", "<|python_tag|>", None, "parameters",\n'
+             '                              bare_json=True),',
+             '"llama3_json": ToolFormat("llama3_json", "<|python_tag|>", None, "parameters",\n'
+             '                              bare_json=False),'),),
+           ("tests/api/test_tool_formats.py",),
+           "a Llama 3 answer that is a bare JSON call is not parsed as a call"),
     Mutant("gguf_cache_key_ignores_mtime", "model/gguf_model.py",
            (('f"{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())',
              'f"{CONVERTER_VERSION}:{stat.st_size}:".encode())'),),

@@ -33,7 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kvserve.actors.detokenizer import TokenOffsets
 from kvserve.actors.messages import RequestOutput
 from kvserve.api.reasoning import ReasoningStream, split_reasoning
-from kvserve.api.tool_calls import ToolCallStream, parse_tool_calls, render_messages, tool_grammar
+from kvserve.api.tool_calls import (FORMATS, ToolCallStream, ToolFormat, parse_tool_calls,
+                                    render_messages, tool_grammar)
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.core.structured_outputs import StructuredOutputsParams, closed_objects
 from kvserve.model.generation_config import GenerationDefaults
@@ -406,13 +407,15 @@ class ChatCompletionRequest(_CommonRequest):
                              f"(tools: {names})")
         return True, choice.function.name
 
-    def sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
+    def sampling_params(self, defaults: GenerationDefaults | None = None,
+                        tool_format: ToolFormat | None = None) -> SamplingParams:
         """Build ``SamplingParams``; raises ``ValueError`` for bad values.
 
         ``max_completion_tokens`` wins over the deprecated ``max_tokens``;
         unset means the ``defaults``' ``max_tokens``, else "up to the
         context length". ``top_logprobs`` needs ``logprobs: true`` (as
-        OpenAI requires). ``defaults``: ``with_defaults``.
+        OpenAI requires). ``defaults``: ``with_defaults``. ``tool_format``:
+        the format a forced tool choice's grammar writes (default Hermes).
         """
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
@@ -428,24 +431,31 @@ class ChatCompletionRequest(_CommonRequest):
                                  f"cannot be combined with {self.structured_outputs_field()}")
             kwargs["structured_outputs"] = tool_grammar(
                 [t.model_dump(exclude_none=True) for t in self.tools or ()], name,
-                self.parallel_tool_calls)
+                self.parallel_tool_calls, tool_format)
         return with_defaults(dict(kwargs, max_tokens=max_tokens, logprobs=logprobs), defaults)
 
-    def tool_reply(self) -> ToolReply | None:
+    def tool_reply(self, tool_format: str = "hermes") -> ToolReply | None:
         """How the answer's tool calls are returned, or None when tools are
-        not active (no tools, or ``tool_choice: "none"``)."""
+        not active (no tools, or ``tool_choice: "none"``); ``tool_format``:
+        the name of the format they are parsed in (``tool_calls.FORMATS``)."""
         if not self.tools_active:
             return None
         forced, name = self.forced_tool()
         return ToolReply(forced=forced, named=name is not None,
-                         parallel=self.parallel_tool_calls)
+                         parallel=self.parallel_tool_calls, format=tool_format)
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as the chat template gets them: tool descriptions,
-        calls and results in the Hermes format (``kvserve.api.tool_calls``)."""
-        tools = ([t.model_dump(exclude_none=True) for t in self.tools or ()]
-                 if self.tools_active else None)
-        return render_messages([m.to_dict() for m in self.messages], tools)
+    def active_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as JSON objects when they are active, else None."""
+        return ([t.model_dump(exclude_none=True) for t in self.tools or ()]
+                if self.tools_active else None)
+
+    def template_messages(self, native: bool = False) -> list[dict[str, Any]]:
+        """The messages as the chat template gets them (``kvserve.api.tool_calls.
+        render_messages``): ``native``, the template knows tools and gets
+        them as its ``tools`` variable; else tool descriptions, calls and
+        results in the Hermes format."""
+        return render_messages([m.to_dict() for m in self.messages],
+                               None if native else self.active_tools(), native)
 
 
 class CompletionRequest(_CommonRequest):
@@ -741,6 +751,7 @@ class ToolReply:
     forced: bool = False
     named: bool = False
     parallel: bool = True
+    format: str = "hermes"  # ``tool_calls.FORMATS`` key: how the answer writes calls
 
     def finish(self, finish: str | None, called: bool) -> str | None:
         """The choice's ``finish_reason``: a ``stop`` after calls becomes
@@ -848,7 +859,7 @@ class Renderer:
                 thought, text = split_reasoning(text, self.reasoning)
                 out["message"].update(content=text, reasoning_content=thought)
             if self.tools is not None:
-                content, calls = parse_tool_calls(text)
+                content, calls = parse_tool_calls(text, FORMATS[self.tools.format])
                 if not self.tools.parallel:
                     calls = calls[:1]
                 if self.tools.forced:
@@ -934,11 +945,13 @@ class Renderer:
         """A chat delta's content, its completed tool calls (OpenAI's
         ``delta.tool_calls`` items, with their ``index``; only index 0
         unless ``tools.parallel``) and finish reason."""
-        stream = state.tool_stream = state.tool_stream or ToolCallStream()
+        stream = state.tool_stream = (state.tool_stream
+                                      or ToolCallStream(FORMATS[tools.format]))
         first = len(stream.calls_seen)
         content, calls = stream.feed(text)
         if finish is not None:
-            content += stream.finish()
+            more, last_calls = stream.finish()
+            content, calls = content + more, calls + last_calls
         if stream.calls_seen and not content.strip():
             content = ""  # the newlines between calls are not content
         items = [{"index": first + i, **call} for i, call in enumerate(calls)

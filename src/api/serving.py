@@ -37,6 +37,7 @@ from kvserve.actors.detokenizer import token_bytes_of
 from kvserve.actors.stream import EngineClient, RequestStream
 from kvserve.actors.tokenizer import PromptError, check_message_count
 from kvserve.api.errors import APIError, error_body, from_failed
+from kvserve.api.tool_calls import ToolFormat, resolve_format, template_knows_tools
 from kvserve.api.protocol import (
     ChatCompletionRequest,
     ChoiceState,
@@ -230,7 +231,8 @@ class RequestHeaders:
 
 
 def sampling_params_or_400(body: ChatCompletionRequest | CompletionRequest,
-                           defaults: GenerationDefaults | None = None) -> SamplingParams:
+                           defaults: GenerationDefaults | None = None,
+                           tool_format: ToolFormat | None = None) -> SamplingParams:
     """``body.sampling_params(defaults)``, its ``ValueError`` as a 400 naming
     the field. ``defaults``: the server's generation defaults, applied to
     the fields the body omits (``ServerConfig.generation_defaults``;
@@ -239,7 +241,8 @@ def sampling_params_or_400(body: ChatCompletionRequest | CompletionRequest,
     bounded, never on the event loop), which refuses one that does not
     compile with a 400 naming its field."""
     try:
-        params = body.sampling_params(defaults)
+        params = (body.sampling_params(defaults, tool_format)
+                  if isinstance(body, ChatCompletionRequest) else body.sampling_params(defaults))
     except ValueError as exc:
         message = str(exc)
         param = value_error_param(message, tuple(type(body).model_fields))
@@ -623,14 +626,19 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
             engine: EngineClient, config: ServerConfig) -> Prepared:
     """Turn a validated body and its headers into a ``GenerateRequest`` and renderer."""
     check_model(body.model, engine, config)
-    params = sampling_params_or_400(body, config.generation_defaults)
+    template = getattr(getattr(engine, "tokenizer", None), "chat_template", None)
+    tool_format = resolve_format(config.tool_call_parser, template)
+    params = sampling_params_or_400(body, config.generation_defaults, tool_format)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     request_id = headers.request_id or new_request_id(prefix)
     inputs: dict[str, Any]
     if isinstance(body, ChatCompletionRequest):
         check_chat_template(engine)
-        inputs = {"messages": tuple(body.template_messages()),
-                  "chat_template_kwargs": body.chat_template_kwargs}
+        native = template_knows_tools(template)
+        tools = body.active_tools() if native else None
+        kwargs = {**(body.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        inputs = {"messages": tuple(body.template_messages(native)),
+                  "chat_template_kwargs": kwargs or None}
     else:
         try:
             text, token_ids = body.prompt_input()
@@ -650,8 +658,8 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
                         token_bytes=token_bytes_for(engine), echo=echo,
                         echo_text=inputs.get("prompt") if echo else None,
                         hidden_token_ids=_hidden_ids(engine, params),
-                        tools=body.tool_reply() if isinstance(body, ChatCompletionRequest)
-                        else None,
+                        tools=body.tool_reply(tool_format.name)
+                        if isinstance(body, ChatCompletionRequest) else None,
                         reasoning=config.reasoning_parser if kind == "chat" else None)
     if config.log_prompts:
         log.info("api_request_prompt", request_id=request_id, prompt=inputs.get("prompt"),

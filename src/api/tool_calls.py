@@ -1,19 +1,32 @@
-"""Tool calling in the Hermes format: prompt, grammar, parser.
+"""Tool calling: prompt, grammar and parser of each model family's format.
 
 OpenAI's ``tools`` / ``tool_choice`` (https://platform.openai.com/docs/
-api-reference/chat/create) on a model whose chat template knows nothing of
-tools (the default model's does not): the tools are described in the system
-message and the model answers each call as
+api-reference/chat/create). ``--tool-call-parser`` (vLLM's names, default
+``auto``: the chat template's own markers say which) picks the format the
+model answers in (:data:`FORMATS`):
 
-    <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
+- ``hermes`` (NousResearch's, Qwen 2.5 / Qwen3's templates, vLLM's and
+  SGLang's common default)::
 
-(NousResearch's Hermes format, the common default of vLLM's and SGLang's
-tool parsers and of Qwen2.5's template); the parser also reads a JSON list
-of calls in one block, SmolLM2's own format. ``tool_choice: "required"`` and a
-named function are enforced by a grammar (``tool_grammar``), so that output
-always parses; ``auto`` leaves the model free and ``parse_tool_calls``
-finds any calls in its text. ``ToolCallStream`` does the same on a stream,
-holding back text that may be the start of a call.
+      <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
+
+  a JSON list of calls in one block (SmolLM2's own format) parses too;
+- ``llama3_json`` (Llama 3.1 / 3.2 / 3.3 templates): the answer is a JSON
+  object ``{"name": ..., "parameters": {...}}`` (after ``<|python_tag|>``
+  or not; several joined by ``;``);
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``;
+- ``phi4_mini_json`` (Phi-4-mini): ``functools`` then such a list.
+
+A chat template that knows tools (it mentions them) gets them as its
+``tools`` variable and the history as OpenAI sends it (arguments as JSON
+objects), as transformers and vLLM render it; a template that does not (the
+default model's) gets the tools described in the system message in the
+Hermes format, and calls and results in the history as Hermes blocks.
+``tool_choice: "required"`` and a named function are enforced by a grammar
+of the format (``tool_grammar``), so that output always parses; ``auto``
+leaves the model free and ``parse_tool_calls`` finds any calls in its text.
+``ToolCallStream`` does the same on a stream, holding back text that may be
+the start of a call.
 """
 
 from __future__ import annotations
@@ -23,8 +36,62 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.config import TOOL_CALL_PARSERS
 from kvserve.constraints.grammar import JSON_OPTIONS
 from kvserve.core.structured_outputs import StructuredOutputsParams, closed_objects
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one family writes its calls.
+
+    ``open``: the marker before the calls; ``close``: the marker after one
+    block (None: the calls run to the end of the answer); ``args_key``: the
+    arguments' key in a call object; ``bare_json``: an answer that starts
+    with ``{`` is a call too (Llama 3's JSON calls have no marker); ``list``:
+    the calls after ``open`` are one JSON list (else one object per block)."""
+
+    name: str
+    open: str
+    close: str | None
+    args_key: str = "arguments"
+    bare_json: bool = False
+    list: bool = False
+
+
+FORMATS = {
+    "hermes": ToolFormat("hermes", "<tool_call>", "</tool_call>"),
+    "llama3_json": ToolFormat("llama3_json", "<|python_tag|>", None, "parameters",
+                              bare_json=True),
+    "mistral": ToolFormat("mistral", "[TOOL_CALLS]", None, list=True),
+    "phi4_mini_json": ToolFormat("phi4_mini_json", "functools", None, list=True),
+}
+#: Template text that names each format (checked in this order); none: Hermes.
+_TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"),
+                     ("functools", "phi4_mini_json"), ("<|python_tag|>", "llama3_json"),
+                     ("ipython", "llama3_json"))
+
+
+def resolve_format(parser: str, template: str | None) -> ToolFormat:
+    """The :class:`ToolFormat` of ``--tool-call-parser parser`` (``auto``: the
+    first of :data:`_TEMPLATE_MARKERS` in the chat template, else Hermes).
+    Raises ValueError for an unknown parser."""
+    if parser == "auto":
+        found = next((name for marker, name in _TEMPLATE_MARKERS
+                      if template and marker in template), "hermes")
+        return FORMATS[found]
+    if parser not in FORMATS:
+        raise ValueError(f"unknown tool-call parser {parser!r} (known: auto, "
+                         f"{', '.join(TOOL_CALL_PARSERS)})")
+    return FORMATS[parser]
+
+
+def template_knows_tools(template: str | None) -> bool:
+    """True when the chat template renders a ``tools`` variable (Qwen's,
+    Llama 3's, Mistral's do): the tools are given to it, not described by
+    kvserve in the system message."""
+    return bool(template) and "tools" in template
+
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -42,13 +109,19 @@ def tool_system_prompt(tools: list[dict[str, Any]]) -> str:
     return SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
 
 
-def render_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-                    ) -> list[dict[str, Any]]:
-    """Chat history in a form any ChatML template renders: a ``developer``
-    message takes the system role (as in vLLM; OpenAI's newer name for it),
-    the tool description joins the system message (or becomes one), an
-    assistant's ``tool_calls`` become ``<tool_call>`` blocks in its content,
-    and a ``tool`` message becomes a user turn holding ``<tool_response>``."""
+def render_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    native: bool = False) -> list[dict[str, Any]]:
+    """Chat history for the chat template. A ``developer`` message takes the
+    system role (as in vLLM; OpenAI's newer name for it). ``native`` (the
+    template knows tools, :func:`template_knows_tools`; the caller gives it
+    ``tools``): the history as OpenAI sends it, each call's ``arguments``
+    parsed into an object (transformers' convention). Otherwise, in a form
+    any ChatML template renders: the tool description joins the system
+    message (or becomes one), an assistant's ``tool_calls`` become
+    ``<tool_call>`` blocks in its content, and a ``tool`` message becomes a
+    user turn holding ``<tool_response>``."""
+    if native:
+        return [_native(m) for m in messages]
     out = []
     for message in messages:
         message = dict(message)
@@ -72,6 +145,16 @@ def render_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
     return out
 
 
+def _native(message: dict[str, Any]) -> dict[str, Any]:
+    message = dict(message)
+    if message["role"] == "developer":
+        message["role"] = "system"
+    if message.get("tool_calls"):
+        message["tool_calls"] = [{**c, "function": {**c.get("function", {}), **_call_body(c)}}
+                                 for c in message["tool_calls"]]
+    return message
+
+
 def _call_body(call: dict[str, Any]) -> dict[str, Any]:
     function = call.get("function", {})
     arguments = function.get("arguments", "{}")
@@ -82,29 +165,39 @@ def _call_body(call: dict[str, Any]) -> dict[str, Any]:
     return {"name": function.get("name"), "arguments": arguments}
 
 
-def tool_grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool
-                 ) -> StructuredOutputsParams:
+def tool_grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool,
+                 fmt: ToolFormat | None = None) -> StructuredOutputsParams:
     """The grammar of ``tool_choice: "required"`` (``name`` None: one call,
     or if ``parallel`` up to as many as there are tools, each to any of
     ``tools``) or of a named
-    function (exactly one call to it): ``<tool_call>`` blocks whose JSON
-    matches the function's ``parameters`` schema, and nothing else. The
+    function (exactly one call to it), in format ``fmt`` (default Hermes):
+    ``<tool_call>`` blocks (Mistral's and Phi-4-mini's: the marker and one
+    JSON list; Llama 3's: one bare JSON call) whose JSON matches the
+    function's ``parameters`` schema, and nothing else. The
     bound on parallel calls keeps a small model from repeating calls until
     ``max_tokens``. The params name ``tools`` as their field and each
     chosen function's ``parameters`` as a part (``tools[i].function.
     parameters``), so a schema that does not compile is named."""
+    fmt = fmt or FORMATS["hermes"]
     chosen = [(i, t["function"]) for i, t in enumerate(tools)
               if name is None or t["function"]["name"] == name]
     functions = [f for _, f in chosen]
     calls = [{"type": "object", "properties": {
-        "name": {"const": f["name"]}, "arguments": _closed(f.get("parameters"))},
-        "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+        "name": {"const": f["name"]}, fmt.args_key: _closed(f.get("parameters"))},
+        "required": ["name", fmt.args_key], "additionalProperties": False} for f in functions]
     schema = {"anyOf": calls, "x-guidance": JSON_OPTIONS}
     more = len(functions) - 1 if parallel and name is None else 0
-    calls_rule = "call" + ' ("\\n" call' * more + ")?" * more
-    lark = (f"start: {calls_rule}\n"
-            f'call: "{OPEN}\\n" body "\\n{CLOSE}"\n'
-            f"body: %json {json.dumps(schema)}\n")
+    if fmt.list:
+        listed = {"type": "array", "items": {"anyOf": calls}, "minItems": 1,
+                  "maxItems": 1 + more, "x-guidance": JSON_OPTIONS}
+        lark = f"start: {json.dumps(fmt.open)} body\nbody: %json {json.dumps(listed)}\n"
+    elif fmt.close is None:  # Llama 3: one bare JSON call
+        lark = f"start: body\nbody: %json {json.dumps(schema)}\n"
+    else:
+        calls_rule = "call" + ' ("\\n" call' * more + ")?" * more
+        lark = (f"start: {calls_rule}\n"
+                f'call: "{fmt.open}\\n" body "\\n{fmt.close}"\n'
+                f"body: %json {json.dumps(schema)}\n")
     parts = tuple((f"tools[{i}].function.parameters", json.dumps(_closed(f.get("parameters"))))
                   for i, f in chosen)
     return StructuredOutputsParams(grammar=lark, field="tools", parts=parts)
@@ -121,22 +214,66 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """``(content, tool_calls)`` of a complete answer: the OpenAI tool-call
-    objects of its well-formed ``<tool_call>`` blocks, and the text around
-    them (None when there is none). A block whose JSON does not parse, or
-    lacks a name, stays in the content."""
+def parse_tool_calls(text: str, fmt: ToolFormat | None = None
+                     ) -> tuple[str | None, list[dict[str, Any]]]:
+    """``(content, tool_calls)`` of a complete answer in format ``fmt``
+    (default Hermes): the OpenAI tool-call objects of its well-formed calls,
+    and the text around them (None when there is none). A block whose JSON
+    does not parse, or lacks a name, stays in the content."""
+    fmt = fmt or FORMATS["hermes"]
+    if fmt.close is None:
+        return _parse_to_end(text, fmt)
     calls, kept, rest = [], [], text
-    while (start := rest.find(OPEN)) >= 0 and (end := rest.find(CLOSE, start)) >= 0:
-        found = _to_calls(rest[start + len(OPEN):end])
+    while (start := rest.find(fmt.open)) >= 0 and (end := rest.find(fmt.close, start)) >= 0:
+        found = _to_calls(rest[start + len(fmt.open):end])
         if not found:
-            kept.append(rest[:end + len(CLOSE)])
+            kept.append(rest[:end + len(fmt.close)])
         else:
             kept.append(rest[:start])
             calls += found
-        rest = rest[end + len(CLOSE):]
+        rest = rest[end + len(fmt.close):]
     content = ("".join(kept) + rest).strip() if calls else text
     return (content or None), calls
+
+
+def _calls_start(text: str, fmt: ToolFormat) -> tuple[int, int] | None:
+    """Where the calls of a run-to-the-end format begin in ``text``: (the
+    content's end, the JSON's start), or None. Llama 3's calls may be bare
+    JSON at the start of the answer."""
+    at = text.find(fmt.open)
+    if at >= 0:
+        return at, at + len(fmt.open)
+    stripped = len(text) - len(text.lstrip())
+    if fmt.bare_json and text[stripped:stripped + 1] == "{":
+        return 0, stripped
+    return None
+
+
+def _parse_to_end(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict[str, Any]]]:
+    """:func:`parse_tool_calls` for formats whose calls run to the end: the
+    JSON values after the marker (joined by ``;`` or white space), each a
+    call or a list of calls; anything else there leaves the text as content."""
+    where = _calls_start(text, fmt)
+    if where is None:
+        return text, []
+    body, pos, items = text[where[1]:], 0, []
+    decoder = json.JSONDecoder()
+    try:
+        while (pos := _skip_separators(body, pos)) < len(body):
+            value, pos = decoder.raw_decode(body, pos)
+            items += value if isinstance(value, list) else [value]
+    except json.JSONDecodeError:
+        return text, []
+    calls = _calls_of(items)
+    if not calls:
+        return text, []
+    return (text[:where[0]].strip() or None), calls
+
+
+def _skip_separators(body: str, pos: int) -> int:
+    while pos < len(body) and (body[pos].isspace() or body[pos] == ";"):
+        pos += 1
+    return pos
 
 
 def _to_calls(body: str) -> list[dict[str, Any]]:
@@ -146,7 +283,12 @@ def _to_calls(body: str) -> list[dict[str, Any]]:
         data = json.loads(body)
     except json.JSONDecodeError:
         return []
-    items = data if isinstance(data, list) else [data]
+    return _calls_of(data if isinstance(data, list) else [data])
+
+
+def _calls_of(items: list[Any]) -> list[dict[str, Any]]:
+    """OpenAI call objects of call dicts (``arguments`` or ``parameters``);
+    none unless every item is a named call."""
     if not items or not all(isinstance(i, dict) and isinstance(i.get("name"), str)
                             for i in items):
         return []
@@ -162,45 +304,79 @@ class ToolCallStream:
 
     ``feed(text)`` returns ``(content, calls)``: the text that is surely
     content, and the calls completed by this delta. Text that may begin a
-    ``<tool_call>`` is held until it is known; ``finish()`` returns what is
-    left (an unfinished block is content).
+    call is held until it is known; ``finish()`` returns ``(content, calls)``
+    of what is left (an unfinished Hermes block is content; a run-to-the-end
+    format's calls are parsed there, as a whole answer's are).
     """
 
+    fmt: ToolFormat = field(default_factory=lambda: FORMATS["hermes"])
     buffer: str = ""
     num_calls: int = 0
     calls_seen: list[dict[str, Any]] = field(default_factory=list)
+    started: bool = False  # a run-to-the-end format's calls have begun
+    emitted: bool = False  # content was given out (a bare JSON call must start the answer)
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         self.buffer += text
+        if self.fmt.close is None:
+            return self._feed_to_end(), []
         content, calls = [], []
+        opener, closer = self.fmt.open, self.fmt.close
         while True:
-            start = self.buffer.find(OPEN)
+            start = self.buffer.find(opener)
             if start < 0:
-                keep = _partial_open(self.buffer)
+                keep = _partial(self.buffer, opener)
                 content.append(self.buffer[:len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
-            end = self.buffer.find(CLOSE, start)
+            end = self.buffer.find(closer, start)
             content.append(self.buffer[:start])
             if end < 0:
                 self.buffer = self.buffer[start:]
                 break
-            found = _to_calls(self.buffer[start + len(OPEN):end])
+            found = _to_calls(self.buffer[start + len(opener):end])
             if not found:
-                content.append(self.buffer[start:end + len(CLOSE)])
+                content.append(self.buffer[start:end + len(closer)])
             calls += found
-            self.buffer = self.buffer[end + len(CLOSE):]
+            self.buffer = self.buffer[end + len(closer):]
         self.calls_seen += calls
         return "".join(content), calls
 
-    def finish(self) -> str:
+    def _feed_to_end(self) -> str:
+        """A run-to-the-end format: content up to the marker (or, Llama 3,
+        a ``{`` that starts the answer), then everything held for finish."""
+        if self.started:
+            return ""
+        at = self.buffer.find(self.fmt.open)
+        if at >= 0:
+            content, self.buffer = self.buffer[:at], self.buffer[at:]
+            self.started = True
+            return content
+        if self.fmt.bare_json and not self.emitted:
+            stripped = self.buffer.lstrip()
+            if stripped.startswith("{"):
+                self.started = True
+                return ""
+            if not stripped:  # white space so far: a bare call may follow
+                return ""
+        keep = _partial(self.buffer, self.fmt.open)
+        cut = len(self.buffer) - keep
+        content, self.buffer = self.buffer[:cut], self.buffer[cut:]
+        self.emitted |= bool(content)
+        return content
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
         rest, self.buffer = self.buffer, ""
-        return rest
+        if self.fmt.close is None and self.started:
+            content, calls = _parse_to_end(rest, self.fmt)
+            self.calls_seen += calls
+            return content or "", calls
+        return rest, []
 
 
-def _partial_open(text: str) -> int:
-    """Length of the longest suffix of ``text`` that is a prefix of ``OPEN``."""
-    for size in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-size:]):
+def _partial(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
             return size
     return 0

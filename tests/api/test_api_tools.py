@@ -52,8 +52,9 @@ def test_stream_splitter_holds_back_a_tag_cut_anywhere(cut: int) -> None:
         piece, done = stream.feed(text[start:start + cut])
         content.append(piece)
         calls += done
-    content.append(stream.finish())
-    assert "".join(content) == "Hi <\n bye"
+    rest, last = stream.finish()
+    content.append(rest)
+    assert "".join(content) == "Hi <\n bye" and last == []
     assert [a["city"] for _, a in names_and_args(calls)] == ["Paris", "Oslo"]
 
 
