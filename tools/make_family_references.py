@@ -33,6 +33,15 @@ layers N(0, 1/fan_in), embeddings and LM head N(0, 1), a tied table
 N(0, 1/16), norms 1 + N(0, 0.01), biases N(0, 0.01)),
 seeded per family, so a rerun writes the same files.
 
+``quantized`` (``... make_family_references.py quantized``): for the
+families of :data:`QUANTIZED` a larger checkpoint of the same kind (hidden
+256, so that every product's K is a whole number of 256-weight
+super-blocks), converted to F16 and quantized by llama.cpp's own
+``llama-quantize`` to Q4_K_M, kept as ``<family>/model-q4_k_m.gguf`` (no
+folder, no reference tokens: ``tests/model/test_families.py`` compares the
+file's block kernels with the same file dequantized by the ``gguf``
+package).
+
 It also writes ``<out>/rope_reference.json`` (``rope`` subcommand alone:
 ``... make_family_references.py rope``): transformers' inverse frequencies
 and attention factors of the ``llama3``, ``linear``, ``yarn`` and
@@ -48,6 +57,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -135,8 +145,8 @@ def greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[list[
     return ids[len(prompt):], margins
 
 
-def convert_to_gguf(folder: Path, out: Path, llama_cpp: Path) -> None:
-    """``convert_hf_to_gguf.py folder --outtype bf16 --outfile out``, run from the
+def convert_to_gguf(folder: Path, out: Path, llama_cpp: Path, outtype: str = "bf16") -> None:
+    """``convert_hf_to_gguf.py folder --outtype OUTTYPE --outfile out``, run from the
     sdist's own source folder, its BPE pre-tokenizer check answered ``gpt-2``."""
     source = next(llama_cpp.glob("llama_cpp_python-*/vendor/llama.cpp"), None)
     if source is None:
@@ -147,11 +157,52 @@ def convert_to_gguf(folder: Path, out: Path, llama_cpp: Path) -> None:
         f"sys.path[:0] = [{str(source)!r}, {str(source / 'gguf-py')!r}]\n"
         "from conversion import base\n"
         "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
-        f"sys.argv = ['convert_hf_to_gguf.py', {str(folder)!r}, '--outtype', 'bf16',"
+        f"sys.argv = ['convert_hf_to_gguf.py', {str(folder)!r}, '--outtype', {outtype!r},"
         f" '--outfile', {str(out)!r}]\n"
         f"runpy.run_path({str(source / 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n")
     subprocess.run([sys.executable, "-c", wrapper], check=True, cwd=source,
                    stdout=subprocess.DEVNULL)
+
+
+#: Families whose Q4_K_M file is written (``quantized``): Llama 3's
+#: ``rope_freqs``, Qwen3's q/k norms, Phi-3's fused tensors split as blocks.
+QUANTIZED = ("llama3", "qwen3", "phi3")
+#: The quantized files' shapes (every K a multiple of 256).
+QUANTIZED_SHAPES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                        num_key_value_heads=2)
+
+
+def write_quantized(family: str, out: Path, tokenizer: PreTrainedTokenizerFast,
+                    llama_cpp: Path) -> None:
+    """``<out>/families/<family>/model-q4_k_m.gguf``: :data:`QUANTIZED_SHAPES`
+    of the family, F16 by ``convert_hf_to_gguf.py``, then ``llama-quantize``
+    Q4_K_M."""
+    quantize = llama_cpp / "build" / "bin" / "llama-quantize"
+    if not quantize.is_file():
+        raise SystemExit(f"no {quantize}: run tools/bench_vs_llamacpp.py once (it builds it)")
+    cls, settings, seed = FAMILIES[family]
+    settings = {**settings, **QUANTIZED_SHAPES}
+    if family == "qwen3":
+        settings["head_dim"] = 64
+    if family == "phi3":  # a factor per frequency of a 64-wide head
+        settings["rope_scaling"] = {**settings["rope_scaling"],
+                                    "short_factor": [1.0 + 0.05 * i for i in range(32)],
+                                    "long_factor": [1.0 + 0.5 * i for i in range(32)]}
+    FAMILIES[f"{family}-q"] = (cls, settings, seed + 50)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / family
+        random_model(f"{family}-q").to(torch.bfloat16).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        if family == "phi3":
+            path = folder / "tokenizer_config.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()),
+                                        "tokenizer_class": "GPT2Tokenizer"}))
+        f16 = Path(tmp) / "f16.gguf"
+        convert_to_gguf(folder, f16, llama_cpp, "f16")
+        target = out / "families" / family / "model-q4_k_m.gguf"
+        subprocess.run([str(quantize), str(f16), str(target), "Q4_K_M"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(f"{family}: {target.stat().st_size / 1024:.0f} KiB Q4_K_M", flush=True)
 
 
 def write_family(family: str, out: Path, tokenizer: PreTrainedTokenizerFast,
@@ -231,8 +282,9 @@ def write_rope_reference(out: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", nargs="*", default=["rope", *FAMILIES],
-                    help=f"rope and/or families (default: all): {', '.join(FAMILIES)}")
+    ap.add_argument("what", nargs="*", default=["rope", *FAMILIES, "quantized"],
+                    help=f"rope, quantized and/or families (default: all): "
+                         f"{', '.join(FAMILIES)}")
     ap.add_argument("--out", default=str(ROOT / "tests" / "model" / "data"))
     ap.add_argument("--llama-cpp", default=os.path.expanduser("~/.cache/kvserve/llama.cpp"),
                     help="where tools/bench_vs_llamacpp.py keeps the llama.cpp sdist; "
@@ -246,6 +298,9 @@ def main() -> int:
     for what in args.what:
         if what == "rope":
             write_rope_reference(out)
+        elif what == "quantized":
+            for family in QUANTIZED:
+                write_quantized(family, out, tokenizer, llama_cpp)
         elif what in FAMILIES:
             write_family(what, out, tokenizer, llama_cpp)
         else:

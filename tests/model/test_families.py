@@ -179,3 +179,61 @@ def test_unknown_keys_are_logged(tmp_path):
         load_model_config(tmp_path)
     assert [e["keys"] for e in logs if e["event"] == "config_keys_not_read"] == \
         [["attention_multiplier"]]
+
+
+QUANTIZED = sorted(p.parent.name for p in DATA.glob("*/model-q4_k_m.gguf"))
+#: Q8_K activations (llama.cpp's scheme) move these random models' logits by
+#: 1.4-3.2% of their largest (measured, the three files' prompts, fixed
+#: seeds): 5% allowed. Codes read with a wrong scale, or parts split at the
+#: wrong rows, are far off.
+LOGIT_REL_Q = 0.05
+#: ... which is up to about 0.4 of these logits (|max| ~ 13): a greedy
+#: divergence is accepted where the float run's top-2 margin is below 0.5.
+ACTIVATION_MARGIN = 0.5
+
+
+def _prompt_logits(model: LlamaModel, ids: list[int]) -> np.ndarray:
+    """float64[len(ids), vocab]: every prompt position's logits, one step."""
+    cfg = model.config
+    blocks = len(ids) // BLOCK + 1
+    caches = [model.ops.allocate_kv_cache(blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+              for _ in range(cfg.num_hidden_layers)]
+    pos = np.arange(len(ids), dtype=np.int64)
+    attn = AttentionMetadata(slot_mapping=pos.copy(),
+                             block_tables=np.arange(blocks, dtype=np.int32)[None],
+                             seq_lens=np.array([len(ids)], np.int32),
+                             query_start_loc=np.array([0, len(ids)], np.int32))
+    return np.asarray(model.forward(np.array(ids, np.int64), pos, attn, caches, pos),
+                      np.float64)
+
+
+@pytest.mark.parametrize("family", QUANTIZED)
+def test_q4_k_m_blocks_equal_the_dequantized_file(family, tmp_path):
+    """The family's Q4_K_M file (llama.cpp's ``llama-quantize``; Q4_K and
+    Q6_K tensors, Phi-3's fused ``attn_qkv`` / ``ffn_up`` among them, split
+    into q/k/v and gate/up panels by rows) served on its blocks, as
+    ``--model file.gguf`` does by default on a CPU (K-quant panels, Q8_K
+    activations; the fused decode step for Llama 3 and Phi-3), against the
+    same file dequantized by the ``gguf`` package and run in float32 (the
+    path proven against transformers above): every prompt position's
+    logits within ``LOGIT_REL_Q`` of their largest, and the same greedy
+    tokens up to a near-tie of the float run."""
+    from kvserve.model.ggml_blocks import KQuantWeight
+    from kvserve.model.gguf_model import resolve_model
+
+    folder = Path(resolve_model(str(DATA / family / "model-q4_k_m.gguf"), cache=tmp_path))
+    config = load_model_config(folder)
+    exact = LlamaModel(config, load_checkpoint_weights(folder, config, "none"),
+                       CpuOps(num_threads=2))
+    blocks = LlamaModel(config, load_checkpoint_weights(folder, config, "w4a8"),
+                        CpuOps(num_threads=2), "w4a8")
+    assert isinstance(blocks.layers[0].down, KQuantWeight)
+    for run in _reference(family)["runs"]:
+        want = _prompt_logits(exact, run["prompt"])
+        got = _prompt_logits(blocks, run["prompt"])
+        assert (np.abs(got - want).max(1) <= LOGIT_REL_Q * np.abs(want).max(1)).all()
+        tokens, margins = greedy(exact, run["prompt"], 12)
+        for i, (w, g) in enumerate(zip(tokens, greedy(blocks, run["prompt"], 12)[0])):
+            if w != g:
+                assert margins[i] < ACTIVATION_MARGIN, (family, i, margins[i])
+                break
