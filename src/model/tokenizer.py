@@ -41,6 +41,14 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _strftime_now(format: str) -> str:
+    """``strftime_now`` helper of chat templates, as in transformers (Llama 3.1+
+    templates date their system message with it): the local time, formatted."""
+    import datetime
+
+    return datetime.datetime.now().strftime(format)
+
+
 def _tojson(value: Any, indent: int | None = None) -> str:
     """``tojson`` filter that, like transformers', keeps non-ASCII text readable."""
     return json.dumps(value, ensure_ascii=False, indent=indent)
@@ -275,8 +283,9 @@ class Tokenizer:
 
         Rendering uses jinja2's ``ImmutableSandboxedEnvironment`` with ``trim_blocks``
         and ``lstrip_blocks`` as transformers does; the template sees ``messages``,
-        ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception``
-        and any extra ``kwargs`` (e.g. ``tools``).
+        ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception``,
+        ``strftime_now`` and any extra ``kwargs`` (e.g. ``tools``,
+        ``enable_thinking``).
 
         Returns:
             The prompt text; encode it with :meth:`encode` (special-token strings in it
@@ -332,4 +341,5 @@ def _compile_template(source: str) -> jinja2.Template:
                                         extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)

@@ -130,3 +130,18 @@ def test_enable_thinking_false_renders_the_no_think_prompt(tmp_path):
     assert no_think == think + "<think>\n\n</think>\n\n"
     assert tokenizer.encode_chat(messages, enable_thinking=False) == \
         tokenizer.encode(no_think, add_special_tokens=False)
+
+
+def test_llama3_templates_date_helper(tmp_path):
+    """Llama 3.1+ templates call ``strftime_now`` (a transformers helper) when
+    no ``date_string`` is given."""
+    import datetime
+
+    from test_chat_template import _tokenizer_folder
+
+    from kvserve.model.tokenizer import Tokenizer
+    template = ("{% if not date_string is defined %}{% set date_string = strftime_now('%Y') %}"
+                "{% endif %}Today: {{ date_string }}")
+    tokenizer = Tokenizer(_tokenizer_folder(tmp_path, template))
+    assert tokenizer.apply_chat_template([]) in (
+        f"Today: {datetime.datetime.now().year}", f"Today: {datetime.datetime.now().year - 1}")

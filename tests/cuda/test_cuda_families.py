@@ -2,8 +2,8 @@
 (Numba's simulator here) give the CPU backend's greedy tokens and logits.
 
 The same tiny checkpoints (written by transformers, ``tests/model/data/
-families``), their Hugging Face folders, through ``LlamaModel`` on
-``CudaOps``: Llama 3's scaled RoPE table, Qwen2's biases, Qwen3's q/k norms
+families``), their Hugging Face folders and their GGUFs (llama.cpp's
+converter), through ``LlamaModel`` on ``CudaOps``: Llama 3's scaled RoPE table, Qwen2's biases, Qwen3's q/k norms
 and head_dim, Mistral's sliding window (8 tokens, shorter than the 17-token
 prompt) and Phi-3's split projections and LongRoPE table run on the CUDA
 kernels. The simulator runs every CUDA thread as a Python thread, so one
@@ -60,8 +60,13 @@ def _logits(model: LlamaModel, prompt: list[int], steps: int) -> tuple[list[int]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cuda_equals_cpu(family):
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_cuda_equals_cpu(family, source, tmp_path):
+    """From the Hugging Face folder and from llama.cpp's GGUF of it."""
     folder = DATA / family
+    if source == "gguf":
+        from kvserve.model.gguf_model import resolve_model
+        folder = Path(resolve_model(str(folder / "model.gguf"), cache=tmp_path))
     config = load_model_config(folder)
     weights = load_checkpoint_weights(folder, config, "none")
     prompt = _reference(family)["runs"][1]["prompt"]  # 17 tokens: past Mistral's window
