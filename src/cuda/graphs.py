@@ -16,8 +16,10 @@ copy), and the graph replays; the sampler then reads ``logits[:n]``.
 Captured on a CuPy stream (``Stream.begin_capture`` / ``end_capture``, the
 relaxed mode), after one eager run of the same work on that stream (which
 compiles the kernels and fills the memory pool), with the temporaries of
-every bucket's work drawn from one private memory pool kept for the graphs
-(replays never overlap: one stream). The graphs are built unless
+every bucket's work drawn from one private memory pool kept for the graphs,
+and replayed on CuPy's current stream, the one the step's input copy and the
+sampler use, so that the three are ordered (replays never overlap: one
+stream). The graphs are built unless
 ``--enforce-eager`` (vLLM's flag), and never under Numba's simulator, where
 there is nothing to capture; ``EagerReplay`` stands in there to test the
 buckets and padding: it runs the recorded work again instead of a graph.
@@ -230,13 +232,16 @@ class _EmptyBatch:
 class CupyCapture:
     """Captures work as a CUDA graph on a dedicated CuPy stream.
 
-    ``capture(work)``: runs ``work()`` once eagerly on the stream (compiling
-    kernels, warming the pool), then again inside ``begin_capture`` /
-    ``end_capture`` with temporaries from a private memory pool; returns a
-    replayable whose ``launch()`` runs the graph on the stream."""
+    ``capture(work)``: waits for the device, runs ``work()`` once eagerly on
+    the stream (compiling kernels, warming the pool), then again inside
+    ``begin_capture`` / ``end_capture`` with temporaries from a private
+    memory pool; returns a replayable whose ``launch()`` runs the graph on
+    CuPy's current stream, the one every copy, kernel and the sampler of a
+    step use (``_Replay``). ``cupy``: the module (a test's stand-in)."""
 
-    def __init__(self, ops: Any) -> None:
-        import cupy
+    def __init__(self, ops: Any, cupy: Any = None) -> None:
+        if cupy is None:
+            import cupy
 
         self._cupy = cupy
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -244,6 +249,9 @@ class CupyCapture:
 
     def capture(self, work: Callable[[], Any]) -> Any:
         cupy = self._cupy
+        # the capture stream does not wait for the legacy stream's work (the
+        # weights' and the bucket buffer's uploads): all of it done first
+        cupy.cuda.Device().synchronize()
         with self.stream:
             work()
             self.stream.synchronize()
@@ -253,7 +261,7 @@ class CupyCapture:
                     work()
                 finally:
                     graph = self.stream.end_capture()
-        return _Replay(graph, self.stream)
+        return _Replay(graph, cupy)
 
     __call__ = capture
 
@@ -264,11 +272,18 @@ class CupyCapture:
 
 @dataclass
 class _Replay:
+    """A captured graph, replayed on CuPy's current stream: the stream the
+    step's input copy (``upload_into``) and the sampler's reads run on, so
+    that a replay starts after its inputs are copied and the sampler reads
+    logits the replay wrote. (The non-blocking capture stream would not be
+    ordered with either: CuPy documents that such a stream does not
+    synchronise with the legacy one.)"""
+
     graph: Any
-    stream: Any
+    cupy: Any
 
     def launch(self) -> None:
-        self.graph.launch(stream=self.stream)
+        self.graph.launch(stream=self.cupy.cuda.get_current_stream())
 
 
 class EagerReplay:

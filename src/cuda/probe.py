@@ -249,7 +249,8 @@ def failure_reason(step: str, exc: BaseException, driver_version: int | None = N
     if isinstance(exc, ProbeFailure):
         return _first_line(str(exc)) or "ProbeFailure"
     failure = _Failure.of(step, exc, driver_version)
-    for rule in (_no_driver, _nvvm_missing, _driver_too_old, _library_missing, _no_device):
+    for rule in (_no_driver, _numpy_too_new, _nvvm_missing, _driver_too_old, _library_missing,
+                 _no_device):
         reason = rule(failure)
         if reason:
             return reason
@@ -294,6 +295,15 @@ class _Failure:
     def cu(self) -> str:
         """numba-cuda's extra: ``cu12``, ``cu13``, or ``cu12|cu13`` when unknown."""
         return f"cu{self.major}" if self.major else "cu12|cu13"
+
+
+def _numpy_too_new(f: _Failure) -> str | None:
+    if isinstance(f.exc, AttributeError) and f.mentions("numpy") and f.mentions("has no attribute"):
+        import numpy as np
+
+        return (f"numba-cuda does not support this NumPy ({np.__version__}: {f.where}): "
+                "pip install 'numpy<2.5' (kvserve's cuda12 / cuda13 extras pin it)")
+    return None
 
 
 def _nvvm_missing(f: _Failure) -> str | None:
