@@ -3,13 +3,14 @@ default, or any command with a ``{port}`` placeholder), waiting for health."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -43,11 +44,13 @@ class ServerProcess:
         log_path: file for the server's stdout and stderr (its JSON logs); default
             ``kvserve-bench-server-PORT.log`` in the temp folder.
         health_paths: paths polled until one answers 200.
+        env: variables added to this process's environment for the server.
     """
 
     def __init__(self, server_args: Sequence[str] = (), command: str | None = None,
                  log_path: str | Path | None = None, start_timeout: float = 600.0,
-                 health_paths: Sequence[str] = ("/health", "/v1/models")) -> None:
+                 health_paths: Sequence[str] = ("/health", "/v1/models"),
+                 env: Mapping[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         if command:
@@ -61,7 +64,8 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         started = time.monotonic()
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **env} if env else None)
         self.health_paths = tuple(health_paths)
         try:
             self._wait_healthy(start_timeout)

@@ -58,6 +58,107 @@ class ConversionError(ValueError):
 # --------------------------------------------------------------------------- the file
 
 
+#: Byte size of each GGUF metadata value type that has one (``gguf``'s
+#: ``GGUFValueType``: 8 is a string, 9 an array).
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+#: GGML's most dimensions of a tensor (``GGML_MAX_DIMS``).
+_MAX_DIMS = 4
+
+
+def check_gguf_header(gguf_path: Path) -> None:
+    """Walk a GGUF's header (metadata and tensor index) with every count and
+    length checked against the bytes left in the file, before ``gguf``'s
+    reader trusts them: a header that claims 2^62 entries, or a string longer
+    than the file, made that reader loop for many seconds or end in an
+    ``IndexError``. Layout: GGUF v2/v3 (``docs/gguf.md`` of ggml): magic,
+    version u32, tensor count u64, metadata count u64, then ``key, type,
+    value`` entries (a string is a u64 length and its bytes; an array an item
+    type, a u64 count and its items), then per tensor its name, u32 dims,
+    u64 sizes, u32 type and u64 offset.
+
+    Raises:
+        ConversionError: one line naming the file and what does not fit.
+    """
+    import mmap
+    import struct
+
+    gguf_path = Path(gguf_path)
+
+    def fail(what: str) -> ConversionError:
+        return ConversionError(f"{gguf_path}: not a readable GGUF file ({what})")
+
+    try:
+        with open(gguf_path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size < 24:
+                raise fail(f"{size} bytes, shorter than a GGUF header")
+            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                _walk_header(buf, size, fail, struct)
+    except OSError as exc:
+        raise ConversionError(f"{gguf_path}: cannot read ({exc.strerror or exc})") from None
+
+
+def _walk_header(buf: Any, size: int, fail: Callable[[str], Exception], struct: Any) -> None:
+    """:func:`check_gguf_header`'s walk over the mapped file ``buf``."""
+    if bytes(buf[:4]) != b"GGUF":
+        raise fail("no GGUF magic")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise fail(f"version {version}, not 2 or 3")
+    pos = 24
+
+    def take(n: int, what: str) -> int:
+        nonlocal pos
+        if n < 0 or n > size - pos:
+            raise fail(f"{what} of {n:,} bytes at byte {pos:,} runs past the end "
+                       f"({size:,} bytes)")
+        start, pos = pos, pos + n
+        return start
+
+    def u32(what: str) -> int:
+        return struct.unpack_from("<I", buf, take(4, what))[0]
+
+    def u64(what: str) -> int:
+        return struct.unpack_from("<Q", buf, take(8, what))[0]
+
+    def string(what: str) -> None:
+        take(u64(f"{what}'s length"), what)
+
+    def value(kind: int, what: str) -> None:
+        if kind in _SCALAR_BYTES:
+            take(_SCALAR_BYTES[kind], what)
+        elif kind == _STRING:
+            string(what)
+        elif kind == _ARRAY:
+            item, count = u32(f"{what}'s item type"), u64(f"{what}'s count")
+            if item in _SCALAR_BYTES:
+                take(count * _SCALAR_BYTES[item], f"{what} ({count:,} items)")
+            elif item == _STRING:
+                if count * 8 > size - pos:
+                    raise fail(f"{what}: {count:,} strings cannot fit in the file")
+                for _ in range(count):
+                    string(f"{what}'s item")
+            else:
+                raise fail(f"{what}: arrays of type {item} are not GGUF")
+        else:
+            raise fail(f"{what}: unknown value type {kind}")
+
+    if n_kv * 13 > size - pos:  # a key's length, one byte of name, type, one byte
+        raise fail(f"{n_kv:,} metadata entries cannot fit in the file")
+    for i in range(n_kv):
+        string(f"metadata key {i}")
+        value(u32(f"metadata value {i}'s type"), f"metadata value {i}")
+    if n_tensors * 24 > size - pos:
+        raise fail(f"{n_tensors:,} tensors cannot fit in the file")
+    for i in range(n_tensors):
+        string(f"tensor {i}'s name")
+        dims = u32(f"tensor {i}'s dimension count")
+        if not 1 <= dims <= _MAX_DIMS:
+            raise fail(f"tensor {i} has {dims} dimensions")
+        take(8 * dims + 4 + 8, f"tensor {i}'s sizes, type and offset")
+
+
 def open_gguf(gguf_path: Path) -> Any:
     """``gguf.GGUFReader`` over the file (mapped, nothing read but the
     header, metadata and tensor index), each tensor's bytes checked to lie
@@ -66,11 +167,13 @@ def open_gguf(gguf_path: Path) -> Any:
     Raises:
         ConversionError: one line naming the file, for a file the reader
             cannot parse (a truncated or lying header: counts or lengths past
-            the end, an unknown type) or a tensor whose data runs past the end.
+            the end, an unknown type: :func:`check_gguf_header` first) or a
+            tensor whose data runs past the end.
     """
     import gguf
 
     gguf_path = Path(gguf_path)
+    check_gguf_header(gguf_path)
     try:
         reader = gguf.GGUFReader(gguf_path)
     except (ValueError, OSError, IndexError, KeyError, OverflowError, MemoryError,
@@ -101,14 +204,18 @@ def _field(reader: Any, key: str, gguf_path: Path, default: Any = ...) -> Any:
     return field.contents()
 
 
-def _array(reader: Any, key: str, kind: Callable[[Any], Any]) -> list | None:
+def _array(reader: Any, key: str, kind: Callable[[Any], Any], gguf_path: Path) -> list | None:
     """Metadata array ``key`` as a list (``kind``: ``str``, ``float`` or ``int``), or None."""
     field = reader.fields.get(key)
     if field is None:
         return None
     parts = [field.parts[i] for i in field.data]
     if kind is str:
-        return [bytes(p).decode("utf-8") for p in parts]
+        try:
+            return [bytes(p).decode("utf-8") for p in parts]
+        except UnicodeDecodeError as exc:
+            raise ConversionError(f"{gguf_path}: metadata {key!r} holds a string that is not "
+                                  f"UTF-8 ({exc.reason} at byte {exc.start})") from None
     return [kind(p[0]) for p in parts]
 
 
@@ -144,7 +251,7 @@ def read_metadata(reader: Any, gguf_path: Path) -> dict[str, Any]:
 
     n_head = int(f(f"{arch}.attention.head_count"))
     hidden = int(f(f"{arch}.embedding_length"))
-    tokens = _array(reader, "tokenizer.ggml.tokens", str)
+    tokens = _array(reader, "tokenizer.ggml.tokens", str, gguf_path)
     if tokens is None:
         raise ConversionError(f"{gguf_path}: missing GGUF metadata key 'tokenizer.ggml.tokens'")
     model = f("tokenizer.ggml.model")
@@ -184,9 +291,9 @@ def read_metadata(reader: Any, gguf_path: Path) -> dict[str, Any]:
         "rope_factors_short": factors.get("rope_factors_short.weight"),
         "tokenizer": model,
         "tokens": tokens,
-        "scores": _array(reader, "tokenizer.ggml.scores", float),
-        "merges": _array(reader, "tokenizer.ggml.merges", str) or [],
-        "token_types": _array(reader, "tokenizer.ggml.token_type", int) or [1] * len(tokens),
+        "scores": _array(reader, "tokenizer.ggml.scores", float, gguf_path),
+        "merges": _array(reader, "tokenizer.ggml.merges", str, gguf_path) or [],
+        "token_types": _array(reader, "tokenizer.ggml.token_type", int, gguf_path) or [1] * len(tokens),
         "pre": f("tokenizer.ggml.pre", "default"),
         "bos": f("tokenizer.ggml.bos_token_id", None),
         "eos": f("tokenizer.ggml.eos_token_id", None),

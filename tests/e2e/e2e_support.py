@@ -233,12 +233,12 @@ class LiveServer(ServerProcess):
     with the e2e defaults; its output (JSON logs) goes to ``stderr_path``."""
 
     def __init__(self, model: Path, log_dir: Path, extra_args: Sequence[str] = (),
-                 start_timeout: float = 600.0) -> None:
+                 start_timeout: float = 600.0, env: dict[str, str] | None = None) -> None:
         self.stderr_path = log_dir / "kvserve-server.log"
         super().__init__(["--model", str(model), "--logprobs-mode", "raw_logits",
                           "--kv-cache-memory", "256MiB", *extra_args],
                          log_path=self.stderr_path, start_timeout=start_timeout,
-                         health_paths=("/health",))
+                         health_paths=("/health",), env=env)
 
     def assert_alive(self) -> None:
         assert self.proc.poll() is None, (
