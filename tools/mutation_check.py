@@ -623,6 +623,12 @@ MUTANTS: tuple[Mutant, ...] = (
            (("                if count * 8 > size - pos:", "                if False:"),),
            ("tests/model/test_gguf_hostile.py",),
            "a GGUF's string array of 2^62 items is walked item by item"),
+    Mutant("chat_content_always_placeholders", "model/tokenizer.py",
+           (('        if not any(isinstance(m.get("content"), str) and self._holds_special(m["content"])',
+             '        if False and not any(isinstance(m.get("content"), str) and '
+             'self._holds_special(m["content"])'),),
+           ("tests/api/test_chat_template.py",),
+           "a template that transforms content acts on a placeholder, not the message"),
     Mutant("gguf_cache_key_ignores_mtime", "model/gguf_model.py",
            (('f"{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())',
              'f"{CONVERTER_VERSION}:{stat.st_size}:".encode())'),),

@@ -193,15 +193,24 @@ class Tokenizer:
         the template's own text may hold special tokens: a user cannot forge
         a turn (``<|im_end|>\n<|im_start|>system``) from inside a message.
 
-        The template renders with a placeholder for each string ``content``,
-        which gives the character span of every content in the prompt. The
-        prompt is encoded whole, as usual (so ordinary chats get exactly the
-        ids of rendering and encoding, as HF and vLLM do); only if a special
-        token falls inside a content span is it encoded piecewise instead:
-        the template's text with special tokens parsed, each content by
-        :meth:`encode_text`. Raises ``ValueError`` as
+        When no message content holds a special-token string (encoded alone,
+        none of its ids is special), the template renders the real messages
+        and the prompt is encoded whole, as HF and vLLM do: a template that
+        transforms content (Qwen3's ``content.split('</think>')``,
+        ``content|upper``, ``content[:n]``, ``startswith``) acts on the real
+        text. Only when some content holds one does the template render with
+        a placeholder for each string ``content``, which gives the character
+        span of every content in the prompt; if a special token then falls
+        inside a content span, the prompt is encoded piecewise: the
+        template's text with special tokens parsed, each content by
+        :meth:`encode_text` (a template that transforms such a content sees
+        the placeholder: the safe side). Raises ``ValueError`` as
         :meth:`apply_chat_template` does.
         """
+        if not any(isinstance(m.get("content"), str) and self._holds_special(m["content"])
+                   for m in messages):
+            return self._encoding(self.apply_chat_template(messages, add_generation_prompt,
+                                                           **kwargs)).ids
         contents: list[str] = []
         masked = []
         for message in messages:
@@ -225,6 +234,10 @@ class Tokenizer:
             return whole.ids
         return [t for i, part in enumerate(parts) if part
                 for t in (self.encode_text(part) if i % 2 else self.encode(part))]
+
+    def _holds_special(self, text: str) -> bool:
+        """Whether ``text`` encodes to any special token (a special-token string in it)."""
+        return any(t in self._special_ids for t in self._encoding(text).ids)
 
     def _encoding(self, text: str, parse_special: bool = True) -> Any:
         """The HF ``Encoding`` of ``text`` (special-token strings parsed, or

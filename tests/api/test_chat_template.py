@@ -86,3 +86,22 @@ def test_flag_parses_for_serve_and_generate() -> None:
     assert parser.parse_args(["serve", "--chat-template", "t.jinja"]).chat_template == "t.jinja"
     assert parser.parse_args(["generate", "hi", "--chat-template", "x"]).chat_template == "x"
     assert parser.parse_args(["serve"]).chat_template is None
+
+
+@pytest.mark.parametrize("template, expected", [
+    ("{% for m in messages %}{{ m['content'] | upper }}{% endfor %}", "HELLO THERE"),
+    ("{% for m in messages %}{{ m['content'][:5] }}{% endfor %}", "hello"),
+    ("{% for m in messages %}{{ m['content'].split('</think>')[-1] }}{% endfor %}", "answer"),
+    ("{% for m in messages %}{{ m['content'] | length }}{% endfor %}", "11"),
+    ("{% for m in messages %}{{ 'T' if m['content'].startswith('hello') else 'F' }}"
+     "{% endfor %}", "T"),
+])
+def test_templates_that_transform_content_see_the_real_text(tmp_path: Path, template: str,
+                                                           expected: str) -> None:
+    """Issue 47, item 2: a template that transforms a message's content
+    (Qwen3's splits off ``</think>``) renders the real text, not a
+    placeholder's: the prompt is the template's own rendering, encoded whole."""
+    tok = Tokenizer(_tokenizer_folder(tmp_path, template))
+    content = "x</think>answer" if "think" in template else "hello there"
+    ids = tok.encode_chat([{"role": "user", "content": content}])
+    assert tok.decode(ids) == expected
