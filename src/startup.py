@@ -286,8 +286,10 @@ class _LoadedModel(NamedTuple):
 
 def _load_checkpoint(config: EngineConfig) -> tuple[Path, ModelConfig, Tokenizer]:
     """The checkpoint folder, its ``ModelConfig`` and tokenizer (with the
-    ``--chat-template`` text, when given); logs ``engine_loading`` first.
-    Raises what the loader raises (a missing or unreadable checkpoint)."""
+    ``--chat-template`` text, when given, checked: ``Tokenizer.
+    check_chat_template``); logs ``engine_loading`` first. Raises what the
+    loader raises (a missing or unreadable checkpoint) and ValueError for a
+    chat template that loops, recurses or overflows on a one-message chat."""
     path = Path(config.model)
     files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.gguf"))
     what = "GGUF" if files and files[0].suffix == ".gguf" else "safetensors"
@@ -295,7 +297,10 @@ def _load_checkpoint(config: EngineConfig) -> tuple[Path, ModelConfig, Tokenizer
              f"({sum(p.stat().st_size for p in files) / 2**20:,.1f} MiB of {what}) on the "
              f"{config.backend} backend...")
     # ``EngineConfig.chat_template`` (``--chat-template``) replaces the checkpoint's.
-    return path, load_model_config(path), Tokenizer(path, config.chat_template)
+    model_config = load_model_config(path)
+    tokenizer = Tokenizer(path, config.chat_template)
+    tokenizer.check_chat_template()  # before serving, off the event loop
+    return path, model_config, tokenizer
 
 
 def _load_model(config: EngineConfig, path: Path, model_config: ModelConfig,

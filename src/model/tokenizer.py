@@ -5,6 +5,8 @@ from __future__ import annotations
 import bisect
 import json
 import re
+import sys
+import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
@@ -156,6 +158,31 @@ class Tokenizer:
             self._max_token_bytes = max(len(self.id_to_bytes(i)) for i in range(self.vocab_size))
         return self._max_token_bytes
 
+    def check_chat_template(self) -> None:
+        """Render a one-message chat with the chat template (none: nothing to
+        check), and measure :attr:`min_tokens_per_message` while at it, so
+        that a template that cannot render a chat fails here, before
+        serving, and not in every request (or on the event loop).
+
+        Raises:
+            ValueError: one line, for a template that ran past its budget,
+                recursed too deep or asked for too large a range (what would
+                hold a thread or crash at every request); other template
+                errors are left to the requests that meet them (a template
+                may refuse some chats on purpose, with ``raise_exception``).
+        """
+        if not self.chat_template:
+            return
+        try:
+            self.apply_chat_template([{"role": "user", "content": "Hi"}])
+        except ValueError as exc:
+            text = str(exc)
+            if any(word in text for word in ("took more than", "recursed too deep",
+                                              "OverflowError", "MemoryError")):
+                raise ValueError(f"the chat template cannot render a one-message chat: {text}; "
+                                 "pass --chat-template PATH to replace it") from None
+        _ = self.min_tokens_per_message
+
     @property
     def min_tokens_per_message(self) -> int:
         """Fewest tokens one more chat message adds, by this chat template
@@ -304,21 +331,68 @@ class Tokenizer:
             The prompt text; encode it with :meth:`encode` (special-token strings in it
             become their ids).
 
+        A render has :data:`TEMPLATE_BUDGET_S` seconds: a template that loops
+        longer (a nested loop, on purpose or not) is stopped between two of
+        its lines (:func:`_render_within`), so that it cannot hold a thread,
+        or start-up, forever.
+
         Raises:
             ValueError: there is no chat template, the template is invalid or unsafe,
-                or it called ``raise_exception``.
+                it called ``raise_exception``, ran past its budget, recursed too
+                deep or asked for too large a range.
         """
         if not self.chat_template:
             raise ValueError(NO_CHAT_TEMPLATE)
         try:
             template = _compile_template(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                   **kwargs)
+            return _render_within(template, TEMPLATE_BUDGET_S, messages=messages,
+                                  add_generation_prompt=add_generation_prompt,
+                                  bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                  **kwargs)
         except SecurityError as exc:
             raise ValueError(f"unsafe chat template: {exc}") from exc
         except TemplateError as exc:
             raise ValueError(f"chat template error: {exc}") from exc
+        except RecursionError:
+            raise ValueError("chat template error: it recursed too deep") from None
+        except (OverflowError, MemoryError) as exc:
+            raise ValueError(f"chat template error: {type(exc).__name__}: "
+                             f"{str(exc)[:200]}") from None
+
+
+#: Seconds one chat-template render may take (a 4,000-message chat renders
+#: in well under one on the 2-core machine).
+TEMPLATE_BUDGET_S = 5.0
+
+
+class _TemplateOverBudget(TemplateError):
+    """A render that ran past its budget."""
+
+
+def _render_within(template: jinja2.Template, seconds: float, **context: Any) -> str:
+    """``template.render(**context)``, stopped with ``_TemplateOverBudget``
+    once it has run ``seconds``: a trace function on this thread checks the
+    clock at every line the compiled template executes (Jinja compiles a
+    template to Python code named ``<template>``; other frames are not
+    traced), so a loop is stopped between two iterations. The thread's
+    previous trace function (a debugger, coverage) is restored after."""
+    deadline = time.monotonic() + seconds
+
+    def line(frame: Any, event: str, arg: Any) -> Any:
+        if time.monotonic() > deadline:
+            raise _TemplateOverBudget(f"rendering took more than {seconds:g} s "
+                                      "(a loop that does not end?)")
+        return line
+
+    def call(frame: Any, event: str, arg: Any) -> Any:
+        return line if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(call)
+    try:
+        return template.render(**context)
+    finally:
+        sys.settrace(previous)
 
 
 #: Why a chat cannot be rendered for a model without a template: the same

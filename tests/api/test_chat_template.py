@@ -105,3 +105,53 @@ def test_templates_that_transform_content_see_the_real_text(tmp_path: Path, temp
     content = "x</think>answer" if "think" in template else "hello there"
     ids = tok.encode_chat([{"role": "user", "content": content}])
     assert tok.decode(ids) == expected
+
+
+#: Issue 47, item 1: templates that would hold a thread or crash at every render.
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+HOSTILE_TEMPLATES = {
+    "nested loop": (LOOPS, "took more than"),
+    "huge range": ("{{ range(10**9) | list }}", "OverflowError"),
+    "recursive macro": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+                        "recursed too deep"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_a_hostile_template_is_one_line_and_stops(tmp_path: Path, monkeypatch, name) -> None:
+    from kvserve.model import tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "TEMPLATE_BUDGET_S", 0.5)
+    template, words = HOSTILE_TEMPLATES[name]
+    tok = Tokenizer(_tokenizer_folder(tmp_path, template))
+    with pytest.raises(ValueError, match=words) as err:
+        tok.encode_chat([{"role": "user", "content": "Hi"}])
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="--chat-template PATH"):
+        tok.check_chat_template()
+
+
+def test_a_refusing_template_is_left_to_its_requests(tmp_path: Path) -> None:
+    """``raise_exception`` (a template's own refusal of some chats) is not a
+    broken template: start-up goes on, the request that meets it gets a 400."""
+    tok = Tokenizer(_tokenizer_folder(
+        tmp_path, "{% if messages|length > 1 %}{{ raise_exception('one at a time') }}"
+                  "{% endif %}{{ messages[0]['content'] }}"))
+    tok.check_chat_template()
+    with pytest.raises(ValueError, match="one at a time"):
+        tok.encode_chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_start_up_refuses_a_looping_template_before_serving(monkeypatch):
+    """The server's start-up checks the template off the event loop, before
+    the model loads: one line naming the fix, not a wedged ``/health``
+    (a tiny checkpoint of tests/model/data/families)."""
+    from kvserve import startup
+    from kvserve.config import EngineConfig
+    from kvserve.model import tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "TEMPLATE_BUDGET_S", 0.5)
+    folder = Path(__file__).resolve().parents[1] / "model" / "data" / "families" / "llama"
+    config = EngineConfig(model=str(folder), chat_template=LOOPS)
+    with pytest.raises(ValueError, match="cannot render a one-message chat"):
+        startup._load_checkpoint(config)
