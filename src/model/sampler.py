@@ -9,7 +9,8 @@ bookkeeping here and the generators' uniform draws).
 
 Order of operations: logit bias, min_tokens masking (EOS and
 ``stop_token_ids`` banned while fewer than ``min_tokens`` tokens were
-generated), repetition penalty, presence/frequency penalties; then, for
+generated, except on a constrained row whose grammar allows nothing else:
+it has finished, and ends the answer), repetition penalty, presence/frequency penalties; then, for
 random rows, temperature -> top-k -> top-p -> min-p and one inverse-CDF draw
 from the request's generator. Greedy rows (temperature 0) take the argmax of
 the processed logits.
@@ -213,8 +214,13 @@ def _penalize(logits: np.ndarray, states: Sequence[SamplingState], xp: Any = np)
         if p.logit_bias:
             bias.add(r, *state.bias_arrays(vocab))
         if len(state.output_token_ids) < p.min_tokens:
-            banned.add(r, np.array([t for t in (*state.eos_token_ids, *p.stop_token_ids)
-                                    if 0 <= t < vocab], dtype=np.int64))
+            stops = np.array([t for t in (*state.eos_token_ids, *p.stop_token_ids)
+                              if 0 <= t < vocab], dtype=np.int64)
+            # a finished grammar allows only the stop tokens: it ends the
+            # answer, min_tokens or not (vLLM's rule), rather than leaving
+            # no token to sample (argmax of all -inf: token 0)
+            if p.structured_outputs is None or _others_allowed(logits, r, stops, xp):
+                banned.add(r, stops)
         if p.repetition_penalty != 1.0:
             seen.add(r, state.seen_token_ids(), p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and state.output_token_ids:
@@ -224,6 +230,16 @@ def _penalize(logits: np.ndarray, states: Sequence[SamplingState], xp: Any = np)
         dev = Device.of(xp)
         kernels.apply_penalties(logits, *(tuple(dev.upload(a) for a in pairs.arrays())
                                           for pairs in (bias, banned, seen, counts)), xp=dev.xp)
+
+
+def _others_allowed(logits: Any, row: int, stops: np.ndarray, xp: Any) -> bool:
+    """Whether row ``row`` of ``logits`` (a constraint's mask applied) allows a
+    token besides ``stops``."""
+    module = Device.of(xp).xp
+    values = logits[row].copy()
+    if stops.size:
+        values[module.asarray(stops)] = -np.inf
+    return bool(module.isfinite(values).any())
 
 
 def apply_penalties(logits: np.ndarray, state: SamplingState) -> None:

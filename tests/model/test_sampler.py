@@ -440,3 +440,24 @@ def test_prompt_logprobs(mode, temperature):
         else:
             values = ref_log_softmax(row.astype(np.float64) * scale)
         check_entry(entry, int(target), values, 3)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_finished_grammar_ends_the_answer_under_min_tokens(temperature):
+    """Issue 47, item 5: a constrained row whose mask (applied before the
+    penalties) allows only EOS has finished its grammar: min_tokens does not
+    ban EOS there, so the answer ends with it rather than with the argmax of
+    all -inf (token 0, then a pad of rejected tokens); a constrained row with
+    anything else allowed keeps the ban."""
+    from kvserve.core.structured_outputs import StructuredOutputsParams
+
+    constrained = dict(min_tokens=6, temperature=temperature,
+                       structured_outputs=StructuredOutputsParams(json={"type": "boolean"}))
+    finished = np.full((1, 10), -np.inf, dtype=np.float32)
+    finished[0, EOS] = 1.0
+    tokens, _ = sample(finished.copy(), [make_state(output=[1, 2], **constrained)])
+    assert tokens == [EOS]
+    open_row = finished.copy()
+    open_row[0, 3] = 0.5
+    tokens, _ = sample(open_row, [make_state(output=[1, 2], **constrained)])
+    assert tokens == [3]
