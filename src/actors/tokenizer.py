@@ -13,6 +13,7 @@ from kvserve.actors.messages import (AbortRequest, Deliver, GenerateRequest, Req
 from kvserve.actors.registry import child_request_ids
 from kvserve.constraints.compiler import ConstraintError
 from kvserve.core.sampling_params import SEED_MIN
+from kvserve.core.structured_outputs import log_safe
 
 #: Prompts (text, or the summed string lengths of chat messages) shorter than
 #: this many characters are tokenized on the event loop. Encoding costs about
@@ -285,7 +286,8 @@ class TokenizerActor(Actor):
                                            parse_special=message.parse_special))
 
     def _fail(self, request_id: str, text: str, param: str | None, status: int = 400) -> None:
-        self.log.info("request_rejected", request_id=request_id, reason=text, status=status)
+        self.log.info("request_rejected", request_id=request_id, reason=log_safe(text),
+                      status=status)
         kind = {429: "server_overloaded", 503: "service_unavailable"}.get(
             status, "invalid_request_error")
         self.detokenizer.send(Deliver(request_id, RequestFailed(

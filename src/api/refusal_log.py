@@ -22,6 +22,8 @@ import json
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvserve.core.structured_outputs import log_safe
+
 log = structlog.get_logger("kvserve.api")
 
 #: Longest error message copied into the log line (characters).
@@ -72,4 +74,4 @@ class RefusalLogMiddleware:
         finally:
             if status >= 400 and status != CLIENT_LEFT:
                 log.info("http_refused", method=scope.get("method"), path=scope.get("path"),
-                         status=status, error=error_message(body))
+                         status=status, error=log_safe(error_message(body)))

@@ -218,7 +218,10 @@ class ConstraintCompiler:
         log.info("constraint_compiled" if isinstance(entry, CompiledConstraint)
                  else "constraint_refused", kind=what.kind, field=what.field,
                  bytes=params.size_bytes, seconds=round(time.monotonic() - start, 4),
-                 **({} if isinstance(entry, CompiledConstraint) else {"reason": entry.reason}))
+                 # the refusal's reason quotes the request's constraint: its
+                 # length only (the client's 400 has it)
+                 **({} if isinstance(entry, CompiledConstraint)
+                    else {"reason_chars": len(entry.reason)}))
         self._cache.put(params, entry)
         return _Entry(entry)
 

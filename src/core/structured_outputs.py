@@ -114,3 +114,25 @@ def closed_objects(schema: Any) -> Any:
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+#: Where a constraint refusal's message turns to the compiler's own detail,
+#: which quotes the request's regex, grammar or schema (``kvserve.
+#: constraints.compiler``'s ``ConstraintError`` messages).
+_DETAIL_MARKS = (" cannot be compiled: ", " schema is invalid: ")
+#: What stands in a log line for the detail cut off.
+DETAIL_NOT_LOGGED = "[the compiler's detail quotes the request: not logged]"
+
+
+def log_safe(message: str | None) -> str | None:
+    """``message`` (a refusal, as the client gets it) for a log line: a
+    constraint refusal's detail, which quotes the user's own constraint
+    text, is cut off (the client's 400 keeps it; ``--log-prompts`` is the
+    only switch that logs request text). Other messages pass unchanged."""
+    if not message:
+        return message
+    for mark in _DETAIL_MARKS:
+        at = message.find(mark)
+        if at >= 0:
+            return message[:at + len(mark)] + DETAIL_NOT_LOGGED
+    return message

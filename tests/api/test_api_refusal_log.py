@@ -59,3 +59,25 @@ async def test_unknown_request_fields_are_ignored_and_named_in_a_warning(client)
     with capture_logs() as logs:
         await client.post("/v1/chat/completions", json=BODY)
     assert not [e for e in logs if e["event"] == "request_fields_ignored"]
+
+
+async def test_a_refused_constraint_is_not_quoted_in_the_log(client, engine):
+    """Issue 47, item 6: a constraint refusal's detail quotes the user's own
+    regex, grammar or schema: the client's 400 keeps it, the log line cuts
+    it off (request text is logged only with --log-prompts)."""
+    from fake_engine import failing
+
+    from kvserve.core.structured_outputs import DETAIL_NOT_LOGGED
+
+    secret = "SECRETconstraint47"
+    for message, kept in (
+            (f"structured_outputs: the regex constraint cannot be compiled: bad ({secret}",
+             "structured_outputs: the regex constraint cannot be compiled: "),
+            (f"tools[0].function.parameters: the JSON schema is invalid: Invalid type: {secret}",
+             "tools[0].function.parameters: the JSON schema is invalid: ")):
+        engine.script = failing(400, message, param="structured_outputs")
+        with capture_logs() as logs:
+            response = await client.post("/v1/chat/completions", json=BODY)
+        assert response.status_code == 400 and secret in response.json()["error"]["message"]
+        [line] = [e for e in logs if e["event"] == "http_refused"]
+        assert line["error"] == kept + DETAIL_NOT_LOGGED

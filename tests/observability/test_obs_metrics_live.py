@@ -224,3 +224,32 @@ def test_diagnose_command_on_an_idle_server(server, run, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["bottleneck"] is None and report["verdicts"] == []
     assert report["features"]["source"] == "metrics"
+
+
+#: Issue 47, item 6: constraints whose refusal quotes the user's own text.
+SECRET = "SECRETconstraint47"
+REFUSED_CONSTRAINTS = [
+    {"structured_outputs": {"regex": f"({SECRET}"}},
+    {"structured_outputs": {"grammar": f"start: {SECRET} ("}},
+    {"response_format": {"type": "json_schema",
+                         "json_schema": {"name": "n", "schema": {"type": SECRET}}}},
+    {"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object",
+                                    "properties": {"a": {"type": SECRET}}}}}]},
+]
+
+
+def test_refused_constraints_are_not_quoted_in_the_log(server):
+    """Without --log-prompts no log line holds a refused regex, grammar or
+    schema (the compiler's detail quotes them; the client's 400 keeps it)."""
+    for fields in REFUSED_CONSTRAINTS:
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=HANG_DEADLINE_S,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                             **fields})
+        assert r.status_code == 400 and SECRET in r.json()["error"]["message"], r.text
+    deadline = time.monotonic() + HANG_DEADLINE_S
+    while not server.log_events("http_refused") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    refused = server.log_events("constraint_refused")
+    assert refused and all("reason_chars" in e for e in refused)
+    assert SECRET not in server.stderr_path.read_text(encoding="utf-8")
