@@ -736,7 +736,9 @@ async def _serve(args: argparse.Namespace) -> int:
         raise
     gate.open(_real_app(engine, engine_metrics, server_config))
     server.engine = engine
-    name = getattr(engine, "model_name", None) or Path(config.model).name
+    from kvserve.model.gguf_model import served_name
+
+    name = getattr(engine, "model_name", None) or served_name(config.model)
     log.info("server_ready", url=url, message=f"Serving {name} on {url} (Press CTRL+C to quit)")
     try:
         await serving

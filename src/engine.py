@@ -47,6 +47,7 @@ from kvserve.config import EngineConfig
 from kvserve.constraints.compiler import ConstraintCompiler
 from kvserve.core.admission_queue import AdmissionLimits, AdmissionQueue
 from kvserve.core.stall import EngineHealth
+from kvserve.model.gguf_model import served_name
 from kvserve.observability.metrics import EngineMetrics
 from kvserve.observability.stats_logger import StatsObserver
 from kvserve.startup import EngineCore, build_engine_core  # noqa: F401 - re-exported
@@ -106,7 +107,7 @@ class AsyncEngine:
         self.stats_interval = stats_interval
         self.log_prompts = log_prompts
         self.tokenizer = core.tokenizer
-        self.model_name = model_name or Path(core.config.model).name
+        self.model_name = model_name or served_name(core.config.model)
         self.max_model_len = core.max_model_len
         #: The layout an offload tier for this engine must have.
         self.kv_layout = core.kv_layout

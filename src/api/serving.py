@@ -605,7 +605,8 @@ def check_model(name: str | None, engine: EngineClient, config: ServerConfig) ->
     """404 ``model_not_found`` unless ``name`` is unset or a name we serve."""
     if name is None or name in (engine.model_name, served_model(engine, config)):
         return
-    raise APIError(404, f"The model `{name}` does not exist.", param="model",
+    raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                        f"`{served_model(engine, config)}`.", param="model",
                    code="model_not_found")
 
 

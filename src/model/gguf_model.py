@@ -159,6 +159,20 @@ def converted_folder(gguf_path: Path, cache: Path | None = None) -> Path:
     return _cache(cache) / "gguf" / f"{gguf_path.stem}-{file_key(gguf_path)}"
 
 
+def served_name(folder: str | Path) -> str:
+    """The model name a checkpoint folder is served under by default: the
+    GGUF file's stem for a folder converted from one (``converted_folder``:
+    ``<stem>-<key>``, holding a link named as the file), so that
+    ``--model SmolLM2-135M-Instruct.Q4_1.gguf`` answers to
+    ``SmolLM2-135M-Instruct.Q4_1`` as llama.cpp's server names it; else the
+    folder's name."""
+    folder = Path(folder)
+    for link in folder.glob("*.gguf"):
+        if link.is_symlink() and folder.name.startswith(f"{link.stem}-"):
+            return link.stem
+    return folder.name
+
+
 def ensure_gguf_checkpoint(gguf_path: Path, cache: Path | None = None) -> Path:
     """The HF-layout checkpoint converted from ``gguf_path``, converting it on first use.
 

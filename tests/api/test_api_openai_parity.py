@@ -165,9 +165,12 @@ async def test_retrieve_the_model_card(client):
 
 
 async def test_a_model_that_is_not_served_is_a_404(client):
+    """OpenAI's words, then the model this server serves (issue 48, item 5:
+    a user whose request names another model learns which one to name)."""
     r = await client.get("/v1/models/fake-model-2")
     assert r.status_code == 404
-    assert r.json() == {"error": {"message": "The model `fake-model-2` does not exist.",
+    assert r.json() == {"error": {"message": "The model `fake-model-2` does not exist; this "
+                                             "server serves `fake-model`.",
                                   "type": "invalid_request_error", "param": "model",
                                   "code": "model_not_found"}}
 

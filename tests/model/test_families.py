@@ -237,3 +237,18 @@ def test_q4_k_m_blocks_equal_the_dequantized_file(family, tmp_path):
             if w != g:
                 assert margins[i] < ACTIVATION_MARGIN, (family, i, margins[i])
                 break
+
+
+def test_a_gguf_is_served_under_its_files_stem(tmp_path):
+    """Issue 48, item 5: ``--model path/qwen3-tiny.Q4_K_M.gguf`` answers to
+    ``qwen3-tiny.Q4_K_M`` (llama.cpp's server names it so), not to its
+    cache folder's ``<stem>-<key>``; a folder keeps its own name."""
+    import shutil
+
+    from kvserve.model.gguf_model import resolve_model, served_name
+
+    gguf = tmp_path / "qwen3-tiny.Q4_K_M.gguf"
+    shutil.copy(DATA / "qwen3" / "model-q4_k_m.gguf", gguf)
+    folder = Path(resolve_model(str(gguf), cache=tmp_path / "cache"))
+    assert folder.name != "qwen3-tiny.Q4_K_M" and served_name(folder) == "qwen3-tiny.Q4_K_M"
+    assert served_name(DATA / "qwen2") == "qwen2"
