@@ -182,14 +182,17 @@ def tool_grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool,
     chosen = [(i, t["function"]) for i, t in enumerate(tools)
               if name is None or t["function"]["name"] == name]
     functions = [f for _, f in chosen]
+    arguments, defs = _hoist_defs([_closed(f.get("parameters")) for f in functions])
     calls = [{"type": "object", "properties": {
-        "name": {"const": f["name"]}, fmt.args_key: _closed(f.get("parameters"))},
-        "required": ["name", fmt.args_key], "additionalProperties": False} for f in functions]
-    schema = {"anyOf": calls, "x-guidance": JSON_OPTIONS}
+        "name": {"const": f["name"]}, fmt.args_key: args},
+        "required": ["name", fmt.args_key], "additionalProperties": False}
+        for f, args in zip(functions, arguments)]
+    schema = {"anyOf": calls, "x-guidance": JSON_OPTIONS, **({"$defs": defs} if defs else {})}
     more = len(functions) - 1 if parallel and name is None else 0
     if fmt.list:
         listed = {"type": "array", "items": {"anyOf": calls}, "minItems": 1,
-                  "maxItems": 1 + more, "x-guidance": JSON_OPTIONS}
+                  "maxItems": 1 + more, "x-guidance": JSON_OPTIONS,
+                  **({"$defs": defs} if defs else {})}
         lark = f"start: {json.dumps(fmt.open)} body\nbody: %json {json.dumps(listed)}\n"
     elif fmt.close is None:  # Llama 3: one bare JSON call
         lark = f"start: body\nbody: %json {json.dumps(schema)}\n"
@@ -201,6 +204,44 @@ def tool_grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool,
     parts = tuple((f"tools[{i}].function.parameters", json.dumps(_closed(f.get("parameters"))))
                   for i, f in chosen)
     return StructuredOutputsParams(grammar=lark, field="tools", parts=parts)
+
+
+def _hoist_defs(schemas: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``schemas`` (functions' parameters) without their ``$defs`` /
+    ``definitions``, and those definitions for the grammar's root schema.
+
+    A function's parameters are nested under its call's ``arguments``, so
+    their ``#/$defs/X`` pointers (every nested pydantic model has them) would
+    point into the grammar's root, where nothing is: each function's
+    definitions move to the root as ``f<i>_X`` and its pointers (also those
+    inside the definitions: recursive models) are rewritten to match."""
+    hoisted: dict[str, Any] = {}
+    out = []
+    for i, schema in enumerate(schemas):
+        local = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+        if not isinstance(schema, dict) or not local:
+            out.append(schema)
+            continue
+        prefix = f"f{i}_"
+
+        def rewrite(node: Any) -> Any:
+            if isinstance(node, dict):
+                return {k: (_moved_ref(v, prefix) if k == "$ref" and isinstance(v, str)
+                            else rewrite(v)) for k, v in node.items()}
+            if isinstance(node, list):
+                return [rewrite(v) for v in node]
+            return node
+
+        out.append(rewrite({k: v for k, v in schema.items() if k not in ("$defs", "definitions")}))
+        hoisted.update({prefix + name: rewrite(d) for name, d in local.items()})
+    return out, hoisted
+
+
+def _moved_ref(ref: str, prefix: str) -> str:
+    for base in ("#/$defs/", "#/definitions/"):
+        if ref.startswith(base):
+            return f"#/$defs/{prefix}{ref[len(base):]}"
+    return ref
 
 
 def _closed(parameters: dict[str, Any] | None) -> dict[str, Any]:

@@ -212,3 +212,47 @@ async def test_a_named_tool_choice_finishes_with_stop(client, engine, stream):
     _, calls, finish = await chat(client, engine, [LIMA_CALL[:30]], stream, finish="length",
                                   tool_choice=named)
     assert calls == [] and finish == "length"
+
+
+#: Issue 48, item 2: nested pydantic models give ``$defs`` and ``#/$defs`` pointers.
+NESTED = {"type": "function", "function": {"name": "save", "parameters": {
+    "type": "object", "properties": {"home": {"$ref": "#/$defs/Address"}}, "required": ["home"],
+    "$defs": {"Address": {"type": "object", "properties": {"country": {"$ref": "#/$defs/Country"}},
+                          "required": ["country"]},
+              "Country": {"type": "object", "properties": {"code": {"type": "string"}},
+                          "required": ["code"]}}}}}
+RECURSIVE = {"type": "function", "function": {"name": "grow", "parameters": {
+    "type": "object", "properties": {"root": {"$ref": "#/definitions/Node"}}, "required": ["root"],
+    "definitions": {"Node": {"type": "object", "properties": {
+        "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/definitions/Node"}}},
+        "required": ["v", "kids"]}}}}}
+
+
+def test_nested_definitions_move_to_the_grammars_root() -> None:
+    """Each function's ``$defs`` / ``definitions`` go to the root of the
+    forced call's schema (prefixed by the function), and its pointers follow."""
+    params = tool_grammar([NESTED, RECURSIVE], None, parallel=True)
+    schema = json.loads(params.grammar.split("%json ", 1)[1].splitlines()[0])
+    assert set(schema["$defs"]) == {"f0_Address", "f0_Country", "f1_Node"}
+    assert schema["$defs"]["f0_Address"]["properties"]["country"]["$ref"] == "#/$defs/f0_Country"
+    assert schema["$defs"]["f1_Node"]["properties"]["kids"]["items"]["$ref"] == "#/$defs/f1_Node"
+    first, second = (call["properties"]["arguments"] for call in schema["anyOf"])
+    assert first["properties"]["home"]["$ref"] == "#/$defs/f0_Address" and "$defs" not in first
+    assert second["properties"]["root"]["$ref"] == "#/$defs/f1_Node"
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("tool, answer", [
+    (NESTED, '{"name": "save", "arguments": {"home": {"country": {"code": "FR"}}}}'),
+    (RECURSIVE, '{"name": "grow", "arguments": {"root": {"v": 1, "kids": [{"v": 2, "kids": []}]}}}'),
+])
+def test_a_forced_call_with_nested_models_compiles_and_fits(byte_tokenizer, tool, answer):
+    """``tool_choice`` forced on a function whose parameters are nested
+    pydantic models (two deep, or recursive): the grammar compiles (it was
+    a 400, ``Pointer '/$defs/Country' does not exist``) and accepts a
+    fitting call, not a wrong one."""
+    name = tool["function"]["name"]
+    grammar = to_grammar(tool_grammar([tool], name, parallel=False))
+    assert matcher_accepts(grammar, f"<tool_call>\n{answer}\n</tool_call>", byte_tokenizer)
+    wrong = answer.replace('"FR"', "7").replace('"v": 2', '"v": "two"')
+    assert not matcher_accepts(grammar, f"<tool_call>\n{wrong}\n</tool_call>", byte_tokenizer)
