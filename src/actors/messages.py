@@ -66,6 +66,8 @@ class GenerateRequest:
     messages: tuple[dict[str, Any], ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (chat)
+    add_generation_prompt: bool = True  # chat: the template's assistant turn opener
+    continue_final_message: bool = False  # chat: continue the last (assistant) message
     priority: int = 0
     request_class: str | None = None
     parse_special: bool = False

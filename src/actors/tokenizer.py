@@ -278,8 +278,10 @@ class TokenizerActor(Actor):
             return tuple(message.prompt_token_ids)
         if message.messages is not None:
             try:  # message contents are text: special-token strings in them stay text
-                return tuple(self.tokenizer.encode_chat(list(message.messages),
-                                                        **(message.chat_template_kwargs or {})))
+                return tuple(self.tokenizer.encode_chat(
+                    list(message.messages), add_generation_prompt=message.add_generation_prompt,
+                    continue_final_message=message.continue_final_message,
+                    **(message.chat_template_kwargs or {})))
             except ValueError as exc:
                 raise PromptError(f"Cannot apply the chat template: {exc}", param="messages") from exc
         return tuple(self.tokenizer.encode(message.prompt or "", add_special_tokens=True,

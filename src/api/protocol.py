@@ -366,6 +366,9 @@ class ChatCompletionRequest(_CommonRequest):
     ``chat_template_kwargs`` (vLLM's): more variables for the chat template,
     e.g. Qwen3's ``{"enable_thinking": false}``; the names the renderer sets
     itself (:data:`RESERVED_TEMPLATE_NAMES`) are refused.
+    ``add_generation_prompt`` (default true) and ``continue_final_message``
+    (vLLM's assistant prefill: the last, assistant, message is continued;
+    only with ``add_generation_prompt`` false, as vLLM requires).
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -376,6 +379,8 @@ class ChatCompletionRequest(_CommonRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _template_kwargs(self) -> ChatCompletionRequest:
@@ -383,6 +388,12 @@ class ChatCompletionRequest(_CommonRequest):
             if name in RESERVED_TEMPLATE_NAMES or not name.isidentifier():
                 raise ValueError(f"chat_template_kwargs: {name!r} cannot be set (the renderer "
                                  f"sets {', '.join(RESERVED_TEMPLATE_NAMES)})")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be true with add_generation_prompt "
+                             "true (vLLM's rule: set add_generation_prompt to false)")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the last message must be the "
+                             "assistant's text to continue")
         return self
 
     @property

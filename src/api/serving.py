@@ -175,12 +175,67 @@ def parse_model(model_cls: type[ModelT], data: dict[str, Any]) -> ModelT:
     except ValidationError as exc:
         param, message = validation_error_param(exc)
         raise APIError(400, message, param=param) from exc
+    refused = unsupported_field(model_cls, data)
+    if refused is not None:
+        raise APIError(400, refused[1], param=refused[0])
     ignored = ignored_fields(model_cls, data)
     if ignored:
         log.warning("request_fields_ignored", fields=ignored,
                     message=f"The following fields were present in the request but ignored: "
                             f"{', '.join(ignored)}")
     return parsed
+
+
+#: vLLM's and llama.cpp's request fields that change the output and that
+#: kvserve does not implement: ``field -> (what is a no-op, why / what to
+#: use)``. Sent with another value, they are a 400 naming the field, never a
+#: silent 200 (issue 48, item 3); ``None`` as the no-op means any value but
+#: null (and an empty list) is refused.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
+    "bad_words": (None, "vLLM's bad_words is not implemented; logit_bias bans single tokens"),
+    "allowed_token_ids": (None, "vLLM's allowed_token_ids is not implemented; use "
+                                "structured_outputs (choice, regex) or logit_bias"),
+    "truncate_prompt_tokens": (None, "vLLM's truncate_prompt_tokens is not implemented: "
+                                     "send the prompt you want read"),
+    "return_token_ids": (False, "vLLM's return_token_ids is not implemented; "
+                                "/tokenize gives a prompt's ids"),
+    "return_tokens_as_token_ids": (False, "vLLM's return_tokens_as_token_ids is not "
+                                          "implemented"),
+    "grammar": (None, "llama.cpp's GBNF grammar is not read; send a Lark grammar as "
+                      "structured_outputs: {\"grammar\": ...}"),
+    "n_probs": (0, "llama.cpp's n_probs is not read; use logprobs / top_logprobs"),
+    "mirostat": (0, "Mirostat sampling is not implemented"),
+    "typical_p": (1.0, "typical sampling is not implemented"),
+    "tfs_z": (1.0, "tail-free sampling is not implemented"),
+    "use_beam_search": (False, "beam search is not implemented"),
+    "length_penalty": (1.0, "length_penalty acts on beam search, which is not implemented"),
+    "spaces_between_special_tokens": (True, "spaces_between_special_tokens: false is not "
+                                            "implemented"),
+    "logits_processors": (None, "custom logits processors are not loaded"),
+}
+#: Fields of chat requests only (completions implement them).
+UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, str]] = {
+    "echo": (False, "echo is a completions field here; chat does not repeat the prompt"),
+    "prompt_logprobs": (None, "prompt_logprobs is a completions field here (with echo and "
+                              "logprobs)"),
+}
+
+
+def unsupported_field(model_cls: type[Any], data: dict[str, Any]) -> tuple[str, str] | None:
+    """``(field, message)`` of the first field of ``data`` in
+    ``UNSUPPORTED_FIELDS`` (or ``UNSUPPORTED_CHAT_FIELDS`` for a chat body)
+    that ``model_cls`` does not read and whose value is not the no-op one;
+    None when there is none."""
+    table = dict(UNSUPPORTED_FIELDS)
+    if model_cls is ChatCompletionRequest:
+        table.update(UNSUPPORTED_CHAT_FIELDS)
+    known = set(getattr(model_cls, "model_fields", {}))
+    for name in sorted(k for k in data if k in table and k not in known):
+        value, (noop, why) = data[name], table[name]
+        if value is None or value == noop or value == [] or value == {}:
+            continue
+        return name, f"{name}: {why}"
+    return None
 
 
 #: Most ignored field names one ``request_fields_ignored`` line lists.
@@ -639,7 +694,9 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
         tools = body.active_tools() if native else None
         kwargs = {**(body.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         inputs = {"messages": tuple(body.template_messages(native)),
-                  "chat_template_kwargs": kwargs or None}
+                  "chat_template_kwargs": kwargs or None,
+                  "add_generation_prompt": body.add_generation_prompt,
+                  "continue_final_message": body.continue_final_message}
     else:
         try:
             text, token_ids = body.prompt_input()

@@ -215,7 +215,7 @@ class Tokenizer:
         return self.encode(text, parse_special=False)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
+                    continue_final_message: bool = False, **kwargs: Any) -> list[int]:
         """Token ids of ``messages`` rendered by the chat template, where only
         the template's own text may hold special tokens: a user cannot forge
         a turn (``<|im_end|>\n<|im_start|>system``) from inside a message.
@@ -231,13 +231,33 @@ class Tokenizer:
         inside a content span, the prompt is encoded piecewise: the
         template's text with special tokens parsed, each content by
         :meth:`encode_text` (a template that transforms such a content sees
-        the placeholder: the safe side). Raises ``ValueError`` as
-        :meth:`apply_chat_template` does.
+        the placeholder: the safe side).
+
+        ``continue_final_message`` (vLLM's assistant prefill): the last
+        message (an assistant's, a string) is left open for the model to
+        continue: rendered without a generation prompt, the prompt ends
+        where that message's content ends (vLLM cuts at the content's last
+        occurrence, as here). Raises ``ValueError`` as
+        :meth:`apply_chat_template` does, and for a last message without
+        string content under ``continue_final_message``.
         """
+        final = None
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str) or not final:
+                raise ValueError("continue_final_message needs a last message with text to "
+                                 "continue")
+            add_generation_prompt = False
         if not any(isinstance(m.get("content"), str) and self._holds_special(m["content"])
                    for m in messages):
-            return self._encoding(self.apply_chat_template(messages, add_generation_prompt,
-                                                           **kwargs)).ids
+            prompt = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+            if final is not None:
+                end = prompt.rfind(final)
+                if end < 0:
+                    raise ValueError("continue_final_message: the chat template does not "
+                                     "render the last message's text as it is")
+                prompt = prompt[:end + len(final)]
+            return self._encoding(prompt).ids
         contents: list[str] = []
         masked = []
         for message in messages:
@@ -248,6 +268,8 @@ class Tokenizer:
             else:
                 masked.append(message)
         pieces = _SLOT_RE.split(self.apply_chat_template(masked, add_generation_prompt, **kwargs))
+        if final is not None:  # the prompt ends with the last content's slot
+            pieces = pieces[:2 * len(contents)]
         parts = [contents[int(p)] if i % 2 else p for i, p in enumerate(pieces)]
         starts, ends, at = [], [], 0
         for i, part in enumerate(parts):

@@ -57,11 +57,13 @@ class RecordingTokenizer:
             raise ValueError("boom")
         return self._tok.apply_chat_template(messages, **kwargs)
 
-    def encode_chat(self, messages, **kwargs) -> list[int]:
+    def encode_chat(self, messages, add_generation_prompt=True, continue_final_message=False,
+                    **kwargs) -> list[int]:
         """Records a template call and an encode (the real one encodes the
         template's text and each content apart; same ids here: no content
         holds a special-token string)."""
-        return self.encode(self.apply_chat_template(messages, **kwargs))
+        return self.encode(self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **kwargs))
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         ids = list(ids)
@@ -277,4 +279,5 @@ def test_chat_template_kwargs_reach_the_template(tok):
                 chat_template_kwargs={"enable_thinking": False}),
         request("plain", messages=({"role": "user", "content": "hi"},))]))
     assert not failures and len(received) == 2
+    seen = [{k: v for k, v in kw.items() if k != "add_generation_prompt"} for kw in seen]
     assert sorted(seen, key=len) == [{}, {"enable_thinking": False}]  # any order

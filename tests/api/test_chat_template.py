@@ -155,3 +155,69 @@ def test_start_up_refuses_a_looping_template_before_serving(monkeypatch):
     config = EngineConfig(model=str(folder), chat_template=LOOPS)
     with pytest.raises(ValueError, match="cannot render a one-message chat"):
         startup._load_checkpoint(config)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open(tmp_path: Path) -> None:
+    """vLLM's assistant prefill: rendered without a generation prompt, the
+    prompt ends where the last (assistant) message's text ends, so the model
+    continues it; also when a content holds a special-token string (the
+    placeholder path)."""
+    tok = Tokenizer(_tokenizer_folder(tmp_path, CHATML.replace("<|im_start|>", "<s>")
+                                      .replace("<|im_end|>", "</s>")))
+    for prefill in ("The answer is", "x</s>y then"):
+        messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": prefill}]
+        ids = tok.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+        text = tok.decode(ids, skip_special_tokens=False)
+        assert text.endswith(prefill) and text.count("<s>") == 2, text
+        closed = tok.encode_chat(messages, add_generation_prompt=False)
+        assert tok.decode(closed, skip_special_tokens=False).endswith("</s>\n")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fields, words", [
+    ({"continue_final_message": True}, "add_generation_prompt"),
+    ({"continue_final_message": True, "add_generation_prompt": False,
+      "messages": [{"role": "user", "content": "Hi"}]}, "last message must be the assistant"),
+])
+async def test_prefill_rules_are_400s(client, engine, fields, words) -> None:
+    engine.tokenizer.chat_template = TEMPLATE
+    r = await client.post("/v1/chat/completions", json={**CHAT, **fields})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.anyio
+async def test_prefill_reaches_the_engine(client, engine) -> None:
+    engine.tokenizer.chat_template = TEMPLATE
+    body = {**CHAT, "messages": [{"role": "user", "content": "Hi"},
+                                 {"role": "assistant", "content": "Hello, I"}],
+            "continue_final_message": True, "add_generation_prompt": False}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    [request] = engine.requests
+    assert (request.continue_final_message, request.add_generation_prompt) == (True, False)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("field, value", [
+    ("bad_words", ["no"]), ("allowed_token_ids", [1, 2]), ("truncate_prompt_tokens", 10),
+    ("return_token_ids", True), ("grammar", "root ::= \"a\""), ("n_probs", 3),
+    ("typical_p", 0.5), ("use_beam_search", True), ("echo", True), ("prompt_logprobs", 2),
+])
+async def test_unimplemented_vllm_and_llamacpp_fields_are_400s_naming_them(client, engine, field,
+                                                                        value) -> None:
+    """Issue 48, item 3: a field that would change the answer is honoured or
+    refused, never ignored; its no-op value passes."""
+    engine.tokenizer.chat_template = TEMPLATE
+    r = await client.post("/v1/chat/completions", json={**CHAT, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and r.json()["error"]["message"].startswith(field)
+    assert engine.requests == []
+    noop = {"bad_words": [], "allowed_token_ids": None, "truncate_prompt_tokens": None,
+            "return_token_ids": False, "grammar": None, "n_probs": 0, "typical_p": 1.0,
+            "use_beam_search": False, "echo": False, "prompt_logprobs": None}[field]
+    r = await client.post("/v1/chat/completions", json={**CHAT, field: noop})
+    assert r.status_code == 200, r.text
