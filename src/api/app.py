@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+import json
 import time
 from collections.abc import Sequence
 from importlib import metadata
@@ -28,6 +29,8 @@ from kvserve.actors.stream import EngineClient
 from kvserve.api.connections import HeaderSizeLimit
 from kvserve.api.errors import EXCEPTION_HANDLERS, APIError, error_body
 from kvserve.api.refusal_log import RefusalLogMiddleware
+from kvserve.api.responses import (EventWriter, ResponseStore, chat_chunks, created_now, new_id,
+                                   response_object, response_shell, stream_events, to_chat_body)
 from kvserve.api.tool_calls import render_messages
 from kvserve.api.protocol import (
     ChatCompletionRequest,
@@ -36,6 +39,7 @@ from kvserve.api.protocol import (
     TokenizeRequest,
 )
 from kvserve.api.serving import (
+    EventStreamResponse,
     RequestHeaders,
     check_model,
     parse_model,
@@ -158,6 +162,47 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
         """``POST /v1/completions`` (OpenAI legacy completions API)."""
         return await _generate(request, "completion", CompletionRequest)
 
+    store = ResponseStore()
+
+    async def responses(request: Request) -> Response:
+        """``POST /v1/responses`` (OpenAI's Responses API, ``kvserve.api.
+        responses``): the chat request it means, rendered as a ``response``
+        object or its typed events."""
+        data = await read_json_body(request, server_config.max_request_bytes)
+        if not isinstance(data, dict):
+            raise APIError(400, "the body must be a JSON object")
+        chat, messages = to_chat_body(data, store)
+        if chat["stream"]:
+            chat["stream_options"] = {"include_usage": True}
+        refuse_message_flood(chat, engine)
+        body = parse_model(ChatCompletionRequest, chat)
+        prepared = prepare("chat", body, RequestHeaders.parse(request), engine, server_config)
+        response_id = new_id("resp")
+        model = served_model(engine, server_config)
+        answer = await run_generation(request, engine, prepared)
+        keep = data.get("store", True) is not False
+
+        def remember(response: dict, answer_messages: list) -> None:
+            if keep:
+                store.put(response, messages, answer_messages)
+
+        if isinstance(answer, EventStreamResponse):
+            shell = response_shell(response_id, data, model, created_now(), "in_progress")
+            events = stream_events(EventWriter(shell), chat_chunks(answer.events), remember)
+            return EventStreamResponse(events, answer.on_close, headers=dict(
+                (k.decode(), v.decode()) for k, v in answer.raw_headers
+                if k.lower() == b"x-request-id"))
+        if answer.status_code != 200:
+            return answer
+        response, answer_messages = response_object(json.loads(answer.body), data,
+                                                    response_id, model)
+        remember(response, answer_messages)
+        return JSONResponse(response, headers={"X-Request-Id": prepared.generate.request_id})
+
+    async def get_response(request: Request) -> Response:
+        """``GET /v1/responses/{id}``: a stored response (404 when not held)."""
+        return JSONResponse(store.response(request.path_params["response_id"]))
+
     async def _generate(request: Request, kind: str, model_cls: type) -> Response:
         data = await read_json_body(request, server_config.max_request_bytes)
         refuse_message_flood(data, engine)
@@ -244,6 +289,8 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
