@@ -148,3 +148,25 @@ def test_tokenize_detokenize_version(http) -> None:
     r = http.get("/version")
     assert r.status_code == 200 and r.json()["version"]
     assert http.post("/detokenize", json={"tokens": [10**9]}).json()["error"]["param"] == "tokens"
+
+
+def test_responses_api_on_the_real_model(oai) -> None:
+    """``/v1/responses`` end to end on the default model: greedy, the same
+    text as the chat completion of the same messages, usage that adds up,
+    and streamed events whose deltas make the final text."""
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Answer in one word."},
+                               {"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=8, temperature=0)
+    r = oai.responses.create(model=MODEL, instructions="Answer in one word.",
+                             input="What is the capital of France?", max_output_tokens=8,
+                             temperature=0)
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    with oai.responses.stream(model=MODEL, instructions="Answer in one word.",
+                              input="What is the capital of France?", max_output_tokens=8,
+                              temperature=0) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == r.output_text
