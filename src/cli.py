@@ -497,6 +497,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_engine_args(groups)
     _add_server_args(groups["server"])
     groups["observability"].add_argument(
+        "--metric-names", default="kvserve", choices=("kvserve", "vllm", "both"),
+        help="the prefix of /metrics' series: kvserve:, vLLM's vllm: (so vLLM's Grafana "
+             "dashboard reads kvserve unchanged; with vllm:gpu_cache_usage_perc), or both")
+    groups["observability"].add_argument(
         "--log-prompts", action="store_true",
         help="log prompts and generated texts (never logged without it)")
     _add_distributed_args(groups["distributed"])
@@ -787,7 +791,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         timeout_request_body=args.timeout_request_body,
         max_connections=fit_file_limit(args.max_connections),
         max_header_bytes=args.max_header_bytes, reasoning_parser=args.reasoning_parser,
-        tool_call_parser=args.tool_call_parser)
+        tool_call_parser=args.tool_call_parser, metric_names=args.metric_names)
 
 
 def _url(host: str, port: int) -> str:
@@ -875,7 +879,8 @@ def _real_app(engine, engine_metrics, server_config: ServerConfig):
 
     server_metrics = ServerMetrics()  # this process's HTTP requests, CPU and memory
     return instrument(build_app(engine, server_config, extra_routes=[
-        metrics_route(server_metrics, engine_metrics)]), server_metrics)
+        metrics_route(server_metrics, engine_metrics, server_config.metric_names)]),
+        server_metrics)
 
 
 def non_default_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:

@@ -423,6 +423,9 @@ class ServerConfig:
     ``generation_defaults``: the sampling fields a request that omits them
     gets (``kvserve.model.generation_config``: the checkpoint's
     ``generation_config.json`` under ``--generation-config``); None: none.
+    ``metric_names`` (``--metric-names``: ``kvserve``, ``vllm``, ``both``):
+    the prefix of ``/metrics``' series (``kvserve.observability.metrics.
+    with_metric_names``).
     ``tool_call_parser`` (``--tool-call-parser``, ``kvserve.api.tool_calls``):
     the format chat answers' tool calls are parsed in (``auto``: the chat
     template's). ``reasoning_parser`` (``--reasoning-parser``, ``kvserve.api.reasoning``):
@@ -444,6 +447,7 @@ class ServerConfig:
     generation_defaults: GenerationDefaults | None = None
     reasoning_parser: str | None = None
     tool_call_parser: str = "auto"
+    metric_names: str = "kvserve"
 
 
 @dataclass(frozen=True)

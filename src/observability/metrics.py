@@ -493,17 +493,44 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+#: ``--metric-names`` values: kvserve's prefix, vLLM's, or both.
+METRIC_NAMES = ("kvserve", "vllm", "both")
+#: vLLM's names that have another kvserve name: the dashboard vLLM publishes
+#: (``examples/online_serving/prometheus_grafana/grafana.json``) reads KV
+#: usage as ``vllm:gpu_cache_usage_perc``, the name before
+#: ``kv_cache_usage_perc``.
+VLLM_ALIASES = {"kv_cache_usage_perc": "gpu_cache_usage_perc"}
+
+
+def with_metric_names(text: bytes, names: str) -> bytes:
+    """The Prometheus text ``text`` (``kvserve:`` names) under ``names``
+    (``METRIC_NAMES``): as it is; every ``kvserve:`` series renamed
+    ``vllm:`` (with ``VLLM_ALIASES`` added), so that vLLM's own Grafana
+    dashboard and alerts read a kvserve server unchanged; or both."""
+    if names == "kvserve":
+        return text
+    vllm = text.replace(b"kvserve:", b"vllm:")
+    lines = vllm.split(b"\n")
+    for ours, theirs in VLLM_ALIASES.items():
+        old, new = f"vllm:{ours}".encode(), f"vllm:{theirs}".encode()
+        lines += [line.replace(old, new) for line in lines if old in line]
+    vllm = b"\n".join(line for line in lines if line) + b"\n"
+    return vllm if names == "vllm" else text + vllm
+
+
 def metrics_route(server: ServerMetrics,
-                  engine: EngineMetrics | Callable[[], Awaitable[str]]):
+                  engine: EngineMetrics | Callable[[], Awaitable[str]], names: str = "kvserve"):
     """A Starlette ``Route`` for ``GET /metrics``: the engine's metrics
     (``EngineMetrics``, or a coroutine function giving the data-parallel
-    replicas' text), then ``server``'s."""
+    replicas' text), then ``server``'s, under ``names`` (``--metric-names``:
+    :func:`with_metric_names`)."""
     from starlette.responses import Response
     from starlette.routing import Route
 
     async def endpoint(request) -> Response:
         text = engine.render() if isinstance(engine, EngineMetrics) else (await engine()).encode()
-        return Response(text + server.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(with_metric_names(text + server.render(), names),
+                        media_type=CONTENT_TYPE_LATEST)
 
     return Route("/metrics", endpoint, methods=["GET"])
 

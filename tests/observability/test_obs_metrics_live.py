@@ -253,3 +253,43 @@ def test_refused_constraints_are_not_quoted_in_the_log(server):
     refused = server.log_events("constraint_refused")
     assert refused and all("reason_chars" in e for e in refused)
     assert SECRET not in server.stderr_path.read_text(encoding="utf-8")
+
+
+#: Every series vLLM's published Grafana dashboard queries
+#: (vllm-project/vllm, examples/online_serving/prometheus_grafana/grafana.json:
+#: each panel's ``expr``, each selecting ``{model_name="$model_name"}``).
+VLLM_DASHBOARD_SERIES = (
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total", "vllm:time_per_output_token_seconds_bucket",
+    "vllm:time_per_output_token_seconds_sum", "vllm:time_per_output_token_seconds_count",
+    "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+)
+
+
+def test_vllms_grafana_dashboard_reads_kvserve_with_vllm_names(server):
+    """Issue 48, item 4: with ``--metric-names vllm`` (the route's
+    ``with_metric_names`` on this live server's scrape) every series the
+    dashboard queries exists for the served model, after a request."""
+    from kvserve.observability.metrics import with_metric_names
+
+    r = httpx.post(f"{server.base_url}/v1/completions", timeout=HANG_DEADLINE_S,
+                   json={"prompt": "Hello", "max_tokens": 3})
+    assert r.status_code == 200
+    model = r.json()["model"]
+    text = httpx.get(f"{server.base_url}/metrics", timeout=HANG_DEADLINE_S).content
+    renamed = parse_metrics_text(with_metric_names(text, "vllm").decode())
+    missing = [name for name in VLLM_DASHBOARD_SERIES
+               if not any(labels.get("model_name") == model for labels, _ in renamed.get(name, ()))]
+    assert missing == []
+    assert {labels["finished_reason"] for labels, _ in renamed["vllm:request_success_total"]} \
+        >= {"length"}
+    assert not [name for name in renamed if name.startswith("kvserve:")]
+    both = parse_metrics_text(with_metric_names(text, "both").decode())
+    assert "kvserve:num_requests_running" in both and "vllm:num_requests_running" in both
