@@ -37,6 +37,8 @@ class LogData:
     steps: list[dict[str, Any]] = field(default_factory=list)
     received: list[dict[str, Any]] = field(default_factory=list)
     t0: float | None = None  # epoch seconds of the first event
+    num_lines: int = 0  # non-empty lines read
+    num_events: int = 0  # of them, JSON objects with an ``event`` (kvserve's log lines)
 
 
 def _epoch(event: dict[str, Any]) -> float | None:
@@ -54,6 +56,7 @@ def read_log(lines: Iterable[str]) -> LogData:
     data = LogData()
     for line in lines:
         line = line.strip()
+        data.num_lines += bool(line)
         if not line.startswith("{"):
             continue
         try:
@@ -63,6 +66,7 @@ def read_log(lines: Iterable[str]) -> LogData:
         if not isinstance(event, dict):
             continue
         name = event.get("event")
+        data.num_events += isinstance(name, str)
         t = _epoch(event)
         if t is not None:
             event["_t"] = t
@@ -547,7 +551,15 @@ def run(args) -> int:
         print(f"kvserve analyze: error: no such file {path}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else path.with_name(path.name + ".analysis")
-    result = analyze(load_log(path), out, plots=not args.no_plots)
+    data = load_log(path)
+    if data.num_events == 0:
+        import sys
+        what = (f"its {data.num_lines:,} lines hold no kvserve JSON event" if data.num_lines
+                else "it is empty")
+        print(f"kvserve analyze: error: cannot read {path}: {what} (a terminal's console log? "
+              "start the server with --log-format json and analyse that log)", file=sys.stderr)
+        return 2
+    result = analyze(data, out, plots=not args.no_plots)
     if args.json:
         print(json.dumps({"bottleneck": result.bottleneck,
                           "verdicts": [v.to_dict() for v in result.verdicts],

@@ -81,3 +81,20 @@ def test_missing_log_file_is_an_error(tmp_path, capsys):
     from kvserve.cli import main
 
     assert main(["analyze", str(tmp_path / "nope.jsonl")]) == 2
+
+
+@pytest.mark.parametrize("content, words", [
+    ("2026-12-06 04:00:01 [info     ] request_finished   request_id=cmpl-1 e2e_s=0.4\n"
+     "2026-12-06 04:00:02 [info     ] engine_stats       num_running=0\n", "2 lines hold no"),
+    ("", "it is empty"),
+])
+def test_a_log_it_cannot_read_is_an_error_not_an_empty_report(tmp_path, capsys, content, words):
+    """Issue 48, item 7: a terminal's console-format log (or nothing) is not
+    "0 requests, no bottleneck": the command says it cannot read it."""
+    from kvserve.cli import main
+
+    path = tmp_path / "console.log"
+    path.write_text(content, encoding="utf-8")
+    assert main(["analyze", str(path), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read {path}" in err and words in err and "--log-format json" in err
