@@ -284,6 +284,10 @@ class _LoadedModel(NamedTuple):
     weights_bytes: int
 
 
+#: Chat templates kvserve ships (``docs/chat_templates``), for models whose files have none.
+SHIPPED_TEMPLATES = Path(__file__).resolve().parents[1] / "docs" / "chat_templates"
+
+
 def _load_checkpoint(config: EngineConfig) -> tuple[Path, ModelConfig, Tokenizer]:
     """The checkpoint folder, its ``ModelConfig`` and tokenizer (with the
     ``--chat-template`` text, when given, checked: ``Tokenizer.
@@ -300,6 +304,9 @@ def _load_checkpoint(config: EngineConfig) -> tuple[Path, ModelConfig, Tokenizer
     model_config = load_model_config(path)
     tokenizer = Tokenizer(path, config.chat_template)
     tokenizer.check_chat_template()  # before serving, off the event loop
+    if not tokenizer.chat_template and model_config.model_type in ("gemma3", "gemma3_text"):
+        # a base Gemma 3 GGUF ships none; kvserve ships Google's
+        tokenizer.chat_template_hint = str(SHIPPED_TEMPLATES / "gemma3.jinja")
     return path, model_config, tokenizer
 
 

@@ -668,13 +668,16 @@ def check_model(name: str | None, engine: EngineClient, config: ServerConfig) ->
 def check_chat_template(engine: EngineClient) -> None:
     """400 naming ``messages`` when the engine's tokenizer has no chat template
     (a base model's GGUF has none): the message says so and names
-    ``--chat-template``; completions are unaffected. An engine whose
+    ``--chat-template`` (with the template kvserve ships for the model, its
+    tokenizer's ``chat_template_hint``: Gemma 3's); completions are unaffected. An engine whose
     tokenizer does not say (no ``chat_template`` attribute) is let through."""
     from kvserve.model.tokenizer import NO_CHAT_TEMPLATE
 
     tokenizer = getattr(engine, "tokenizer", None)
     if tokenizer is not None and hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:
-        raise APIError(400, f"Chat completions need a chat template, and {NO_CHAT_TEMPLATE}.",
+        hint = getattr(tokenizer, "chat_template_hint", None)
+        raise APIError(400, f"Chat completions need a chat template, and {NO_CHAT_TEMPLATE}"
+                            + (f" (for this model: --chat-template {hint})" if hint else "") + ".",
                        param="messages", code="chat_template_missing")
 
 

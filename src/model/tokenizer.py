@@ -95,6 +95,9 @@ class Tokenizer:
         self.add_bos_token: bool = bool(self._config.get("add_bos_token", False))
         self._max_token_bytes: int | None = None
         self._min_tokens_per_message: int | None = None
+        #: A template to suggest when there is none (set by start-up: the one
+        #: kvserve ships for the model), named in chat's 400.
+        self.chat_template_hint: str | None = None
         self._special_ids = frozenset(
             i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
         self._added_ids = frozenset(self._tok.get_added_tokens_decoder())

@@ -221,3 +221,20 @@ async def test_unimplemented_vllm_and_llamacpp_fields_are_400s_naming_them(clien
             "use_beam_search": False, "echo": False, "prompt_logprobs": None}[field]
     r = await client.post("/v1/chat/completions", json={**CHAT, field: noop})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.anyio
+async def test_the_400_names_the_template_kvserve_ships_for_the_model(client, engine) -> None:
+    """A base Gemma 3 file has no chat template; start-up sets the hint to
+    the one kvserve ships, and chat's 400 names it (issue 48, item 8)."""
+    engine.tokenizer.chat_template = None
+    engine.tokenizer.chat_template_hint = "/repo/docs/chat_templates/gemma3.jinja"
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 400
+    assert "--chat-template /repo/docs/chat_templates/gemma3.jinja" in r.json()["error"]["message"]
+
+
+def test_start_up_hints_the_shipped_gemma_template(tmp_path: Path) -> None:
+    from kvserve import startup
+
+    assert (startup.SHIPPED_TEMPLATES / "gemma3.jinja").is_file()
