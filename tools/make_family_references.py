@@ -89,6 +89,13 @@ FAMILIES = {
         rope_scaling={"type": "longrope",
                       "short_factor": [1.0 + 0.25 * i for i in range(8)],
                       "long_factor": [1.0 + 2.0 * i for i in range(8)]}), 6),
+    # Phi-4-mini: Phi-3's layout, RoPE over three quarters of each head
+    "phi4mini": (Phi3Config, dict(
+        tie_word_embeddings=True, original_max_position_embeddings=64, sliding_window=None,
+        partial_rotary_factor=0.75,
+        rope_scaling={"type": "longrope",
+                      "short_factor": [1.0 + 0.25 * i for i in range(6)],
+                      "long_factor": [1.0 + 2.0 * i for i in range(6)]}), 7),
 }
 CORPUS = ("The quick brown fox jumps over the lazy dog. def parse(line):\n"
           "    name, _, value = line.partition(':')\n    return name.strip(), value\n"
@@ -214,7 +221,7 @@ def write_family(family: str, out: Path, tokenizer: PreTrainedTokenizerFast,
     model.to(torch.bfloat16).save_pretrained(folder)
     model.to(torch.float32)
     tokenizer.save_pretrained(folder)
-    if family == "phi3":  # the converter reads a BPE vocabulary (Phi-4's) only so
+    if family in ("phi3", "phi4mini"):  # the converter reads a BPE vocabulary only so
         path = folder / "tokenizer_config.json"
         path.write_text(json.dumps({**json.loads(path.read_text()),
                                     "tokenizer_class": "GPT2Tokenizer"}, indent=2) + "\n")

@@ -233,7 +233,8 @@ def read_metadata(reader: Any, gguf_path: Path) -> dict[str, Any]:
 
     Keys: ``arch``, ``n_layer``, ``hidden``, ``ffn``, ``n_head``, ``n_head_kv``,
     ``head_dim``, ``eps``, ``theta``, ``ctx``, ``vocab``, ``sliding_window``
-    (gemma3, phi3), RoPE scaling (``rope_scaling``: ``none`` | ``linear`` |
+    (gemma3, phi3), ``rope_dims`` (the rotary dimensions of a head), RoPE
+    scaling (``rope_scaling``: ``none`` | ``linear`` |
     ``yarn``, ``rope_factor``, ``rope_orig_ctx``, ``rope_attn_factor``; the
     factor tensors ``rope_freqs``, ``rope_factors_long`` / ``_short`` as float
     lists or None), ``tokenizer`` (``gpt2`` | ``llama``), ``tokens``, ``scores``,
@@ -242,7 +243,8 @@ def read_metadata(reader: Any, gguf_path: Path) -> dict[str, Any]:
 
     Raises:
         ConversionError: an unsupported architecture, tokenizer model or RoPE
-            scaling type, partial rotary, or a missing key (named).
+            scaling type, rotary dimensions beyond the head, or a missing key
+            (named).
     """
     arch = architecture(reader, gguf_path)
 
@@ -263,10 +265,10 @@ def read_metadata(reader: Any, gguf_path: Path) -> dict[str, Any]:
         raise ConversionError(f"{gguf_path}: {arch}.rope.scaling.type = {scaling!r} is not "
                               f"supported ({', '.join(_GGUF_ROPE_SCALING)})")
     rope_dims = f(f"{arch}.rope.dimension_count", None)
-    key_length = f(f"{arch}.attention.key_length", rope_dims or hidden // n_head)
-    if rope_dims is not None and int(rope_dims) != int(key_length):
-        raise ConversionError(f"{gguf_path}: {arch}.rope.dimension_count = {rope_dims} of a "
-                              f"head of {key_length}: partial rotary is not supported")
+    key_length = f(f"{arch}.attention.key_length", hidden // n_head)
+    if rope_dims is not None and not 0 < int(rope_dims) <= int(key_length):
+        raise ConversionError(f"{gguf_path}: {arch}.rope.dimension_count = {rope_dims} for a "
+                              f"head of {key_length}")
     factors = {t.name: [float(v) for v in np.asarray(t.data, np.float32).reshape(-1)]
                for t in reader.tensors if t.name in ROPE_TENSORS}
     return {
@@ -283,6 +285,7 @@ def read_metadata(reader: Any, gguf_path: Path) -> dict[str, Any]:
         "vocab": int(f(f"{arch}.vocab_size", len(tokens))),
         "sliding_window": f(f"{arch}.attention.sliding_window", None),
         "rope_scaling": scaling,
+        "rope_dims": int(rope_dims) if rope_dims is not None else int(key_length),
         "rope_factor": float(f(f"{arch}.rope.scaling.factor", 1.0)),
         "rope_orig_ctx": f(f"{arch}.rope.scaling.original_context_length", None),
         "rope_attn_factor": f(f"{arch}.rope.scaling.attn_factor", None),
@@ -546,6 +549,9 @@ def _llama_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
         "architectures": ["LlamaForCausalLM"],
         "model_type": MODEL_TYPES[meta["arch"]],
         **({"sliding_window": int(window)} if window else {}),
+        # a partial rotary (Phi-4-mini: rope.dimension_count 96 of 128)
+        **({"partial_rotary_factor": meta["rope_dims"] / meta["head_dim"]}
+           if meta["rope_dims"] != meta["head_dim"] else {}),
         **_rope_config(meta, f"GGUF {meta['arch']}"),
         "vocab_size": meta["vocab"],
         "hidden_size": meta["hidden"],

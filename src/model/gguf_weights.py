@@ -42,6 +42,7 @@ import structlog
 
 from kvserve.model.ggml_blocks import BLOCK_KINDS, BlockQuantizedWeight, KQuantWeight, \
     from_gguf_bytes
+from kvserve.model.rope import row_order_of
 from kvserve.model.gguf_convert import (FUSED_PARTS, NORM_SHIFT, ROPE_TENSORS, ConversionError,
                                         architecture, dequantize, hf_tensor_name, open_gguf,
                                         unpermute_qk)
@@ -64,7 +65,9 @@ PATHS = {"float": "float32", "blocks": "ggml blocks (Q8 activations with w4a8)",
 
 def read_gguf_weights(gguf_path: Path, shapes: dict[str, tuple[int, ...]],
                       n_head: int, n_head_kv: int, blocks: bool,
-                      cache_folder: Path | None) -> tuple[dict[str, Any], dict[str, str]]:
+                      cache_folder: Path | None,
+                      row_orders: dict[str, np.ndarray] | None = None,
+                      ) -> tuple[dict[str, Any], dict[str, str]]:
     """Every tensor of a GGUF (``gguf_convert.SUPPORTED_ARCHITECTURES``), by HF
     name, served in place.
 
@@ -78,6 +81,8 @@ def read_gguf_weights(gguf_path: Path, shapes: dict[str, tuple[int, ...]],
             dequantizes everything to float32.
         cache_folder: where the K-quant panels are kept (None: packed in
             memory, not kept).
+        row_orders: a partial rotary's q/k row orders (``rope.qk_row_orders``),
+            applied as the rows are served (K-quant panels packed in that order).
 
     Returns:
         ``(weights, paths)``: the weights (table above) and ``{GGUF type:
@@ -105,6 +110,9 @@ def read_gguf_weights(gguf_path: Path, shapes: dict[str, tuple[int, ...]],
         perm = None if head_count is None else unpermute_qk(np.arange(shape[0]), head_count)
         if rows is not None:
             perm = rows if perm is None else rows[perm]
+        extra = row_order_of(name, row_orders)
+        if extra is not None:
+            perm = extra if perm is None else perm[extra]
         if blocks and kind in KQUANT_KINDS:
             is_table = t.name == "token_embd.weight"
             pending.append((name, t, perm, is_table and not tied))

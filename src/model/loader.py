@@ -20,7 +20,7 @@ import numpy as np
 import structlog
 
 from kvserve.config import ModelConfig
-from kvserve.model.rope import read_rope
+from kvserve.model.rope import qk_row_orders, read_rope, row_order_of
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
 #: The Gemma 3 ``model_type`` s (``gemma3``: the multimodal wrapper, whose
@@ -370,6 +370,11 @@ def load_weights(path: Path, config: ModelConfig, dtype: Any = np.float32) -> di
     if missing:
         raise ValueError(f"{path}: missing tensor {missing[0]!r}"
                          + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    orders = qk_row_orders(config)
+    for name in list(weights) if orders is not None else ():
+        order = row_order_of(name, orders)
+        if order is not None:  # a partial rotary: q/k rows as the kernels rotate them
+            weights[name] = np.ascontiguousarray(weights[name][order])
     return weights
 
 
@@ -479,7 +484,8 @@ def load_checkpoint_weights(path: Path, config: ModelConfig, quantization: str,
     shapes = expected_tensor_shapes(config)
     shapes.update(_optional_tensor_shapes(config))
     weights, paths = read_gguf_weights(gguf, shapes, config.num_attention_heads,
-                                       config.num_key_value_heads, blocks, path)
+                                       config.num_key_value_heads, blocks, path,
+                                       qk_row_orders(config))
     missing = [n for n in expected_tensor_shapes(config) if n not in weights]
     if missing:
         raise ValueError(f"{gguf}: missing tensor {missing[0]!r}"

@@ -36,6 +36,7 @@ batch). Below the original context, both agree exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +82,11 @@ class RopeSpec:
             ``head_dim / 2`` each.
         freq_factors: ``default`` with a GGUF ``rope_freqs`` tensor: each
             frequency divided by its factor; empty: none.
+        rotary_fraction: ``partial_rotary_factor`` (Phi-4-mini: 0.75): the
+            first ``int(head_dim * rotary_fraction)`` dimensions of a head
+            rotate (pairs ``(j, j + rotary_dim / 2)``, transformers'
+            ``rotate_half`` on them), the others pass; see
+            :func:`partial_rotary_perm` for how the kernels compute it.
     """
 
     theta: float
@@ -96,11 +102,23 @@ class RopeSpec:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     freq_factors: tuple[float, ...] = ()
+    rotary_fraction: float = 1.0
 
     @property
     def is_default(self) -> bool:
-        """Plain RoPE of base ``theta``: no scaling, factors or attention factor."""
-        return self.rope_type == "default" and not self.freq_factors
+        """Plain RoPE of base ``theta`` over whole heads: no scaling, factors
+        or attention factor."""
+        return (self.rope_type == "default" and not self.freq_factors
+                and self.rotary_fraction == 1.0)
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """Dimensions of a head that rotate (transformers' ``int(head_dim *
+        partial_rotary_factor)``). Raises ValueError unless even and positive."""
+        rot = int(head_dim * self.rotary_fraction)
+        if rot <= 0 or rot % 2 or rot > head_dim:
+            raise ValueError(f"RoPE over {rot} of {head_dim} head dimensions: needs an even "
+                             "number, at least 2")
+        return rot
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -151,11 +169,18 @@ def read_rope(cfg: dict[str, Any], where: str, layer_type: str = "full_attention
     if unread:
         raise ValueError(f"{where}: {key} has {unread[0]!r}, which rope_type {rope_type!r} "
                          "does not read here; refusing rather than ignoring it")
-    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-                    or 1.0)
-    if partial != 1.0:
-        raise ValueError(f"{where}: partial_rotary_factor = {partial} is not supported "
-                         "(every head dimension rotated only)")
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial is None:
+        partial = 1.0
+    if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise ValueError(f"{where}: partial_rotary_factor = {partial!r} must be in (0, 1]")
+    spec = _read_type(cfg, params, key, where, theta, rope_type)
+    return dataclasses.replace(spec, rotary_fraction=float(partial)) if partial != 1 else spec
+
+
+def _read_type(cfg: dict[str, Any], params: dict[str, Any], key: str, where: str,
+               theta: float, rope_type: str) -> RopeSpec:
+    """:func:`read_rope`'s spec of ``rope_type`` (its parameters checked)."""
     if not theta > 0:
         raise ValueError(f"{where}: rope_theta = {theta!r} must be positive")
     factors = cfg.get("rope_freq_factors")
@@ -220,9 +245,20 @@ def read_rope(cfg: dict[str, Any], where: str, layer_type: str = "full_attention
 def inverse_frequencies(spec: RopeSpec, head_dim: int, long: bool = False) -> np.ndarray:
     """float64[head_dim / 2]: the rotation per position of each frequency pair.
 
-    ``long``: ``longrope``'s long factors (else its short ones). Raises
-    ValueError when ``short_factor`` / ``long_factor`` / ``freq_factors``
-    do not have ``head_dim / 2`` entries."""
+    ``long``: ``longrope``'s long factors (else its short ones). With a
+    partial rotary (``rotary_fraction``), the frequencies of the rotary
+    dimensions (computed over them, as transformers does), then zeros for
+    the pairs that pass. Raises ValueError when ``short_factor`` /
+    ``long_factor`` / ``freq_factors`` do not have one entry per rotary pair."""
+    rot = spec.rotary_dim(head_dim)
+    freqs = _rotary_frequencies(spec, rot, long)
+    if rot == head_dim:
+        return freqs
+    return np.concatenate([freqs, np.zeros((head_dim - rot) // 2)])  # pass-through pairs
+
+
+def _rotary_frequencies(spec: RopeSpec, head_dim: int, long: bool) -> np.ndarray:
+    """:func:`inverse_frequencies` over the ``head_dim`` rotary dimensions."""
     half = head_dim // 2
     base = 1.0 / spec.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     kind = spec.rope_type
@@ -285,6 +321,51 @@ def rope_table(spec: RopeSpec, head_dim: int, max_position: int) -> np.ndarray:
         cut = spec.original_max_position
         angles[cut:] = positions[cut:] * inverse_frequencies(spec, head_dim, long=True)[None, :]
     table = np.concatenate([np.cos(angles), np.sin(angles)], axis=1)
-    if spec.attention_factor != 1.0:
-        table *= spec.attention_factor
+    if spec.attention_factor != 1.0:  # the rotary pairs only; a passing one stays (1, 0)
+        pairs = spec.rotary_dim(head_dim) // 2
+        half = head_dim // 2
+        table[:, :pairs] *= spec.attention_factor
+        table[:, half:half + pairs] *= spec.attention_factor
     return table.astype(np.float32)
+
+
+def partial_rotary_perm(num_heads: int, head_dim: int, rotary_dim: int) -> np.ndarray:
+    """int64[num_heads * head_dim]: the row order of a q or k projection that
+    lets a whole-head RoPE kernel compute a partial one.
+
+    The kernels rotate pairs ``(i, i + head_dim / 2)`` with the table's pair
+    ``i``; transformers rotates pairs ``(j, j + rotary_dim / 2)`` of the first
+    ``rotary_dim`` dimensions and passes the rest. Within each head, row
+    ``new`` takes row ``order[new]``: rotary pair j at ``(j, j + head_dim /
+    2)``, the passing dimensions in the other places, whose table pairs
+    (zero frequency) leave them as they are. q and k take the same order,
+    so every q.k product is unchanged; v and the output projection are not
+    touched."""
+    half, rhalf = head_dim // 2, rotary_dim // 2
+    passing = np.arange(rotary_dim, head_dim)
+    first, second = passing[:half - rhalf], passing[half - rhalf:]
+    order = np.concatenate([np.arange(rhalf), first, np.arange(rhalf, rotary_dim), second])
+    return (np.arange(num_heads)[:, None] * head_dim + order[None, :]).reshape(-1)
+
+
+def qk_row_orders(config: Any) -> dict[str, np.ndarray] | None:
+    """The row orders that give a partial rotary (``partial_rotary_factor``,
+    Phi-4-mini) to the whole-head RoPE kernels (:func:`partial_rotary_perm`)
+    for ``config`` (a ``ModelConfig``):
+    ``{"q_proj", "k_proj", "q_norm", "k_norm"}`` (norms: one head's order),
+    or None for a RoPE over whole heads."""
+    spec, hd = config.rope, config.head_dim
+    if spec.rotary_fraction == 1.0:
+        return None
+    rot = spec.rotary_dim(hd)
+    return {"q_proj": partial_rotary_perm(config.num_attention_heads, hd, rot),
+            "k_proj": partial_rotary_perm(config.num_key_value_heads, hd, rot),
+            "q_norm": partial_rotary_perm(1, hd, rot), "k_norm": partial_rotary_perm(1, hd, rot)}
+
+
+def row_order_of(name: str, orders: dict[str, np.ndarray] | None) -> np.ndarray | None:
+    """``qk_row_orders``' order for HF tensor ``name`` (a q/k projection's
+    weight or bias, a q/k norm), or None."""
+    if orders is None or ".self_attn." not in name:
+        return None
+    return orders.get(name.split(".self_attn.")[1].split(".")[0])

@@ -149,7 +149,7 @@ def test_an_ignored_rope_scaling_would_be_seen():
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "dynamic"),
     ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, "'su'"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "beta_fast": 3}}, "'beta_fast'"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"partial_rotary_factor": 1.5}, "partial_rotary_factor"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
@@ -252,3 +252,20 @@ def test_a_gguf_is_served_under_its_files_stem(tmp_path):
     folder = Path(resolve_model(str(gguf), cache=tmp_path / "cache"))
     assert folder.name != "qwen3-tiny.Q4_K_M" and served_name(folder) == "qwen3-tiny.Q4_K_M"
     assert served_name(DATA / "qwen2") == "qwen2"
+
+
+def test_a_partial_rotary_served_whole_would_be_seen(monkeypatch):
+    """Phi-4-mini's RoPE turns three quarters of each head: with the q/k rows
+    left in their own order (no ``qk_row_orders``), the kernels rotate the
+    wrong pairs and the tokens differ from transformers'."""
+    from kvserve.model import loader
+
+    folder = DATA / "phi4mini"
+    config = load_model_config(folder)
+    assert config.rope.rotary_fraction == 0.75
+    monkeypatch.setattr(loader, "qk_row_orders", lambda config: None)
+    model = LlamaModel(config, load_checkpoint_weights(folder, config, "none"),
+                       CpuOps(num_threads=2))
+    ref = _reference("phi4mini")
+    assert any(greedy(model, run["prompt"], ref["new_tokens"])[0] != run["tokens"]
+               for run in ref["runs"])

@@ -90,7 +90,7 @@ def test_theta_from_each_place():
     ({"rope_type": "dynamic", "factor": 2.0}, "'dynamic'"),
     ({"rope_type": "su", "factor": 2.0}, "'su'"),
     ({"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0}, "'low_freq_factor'"),
-    ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"rope_type": "default", "partial_rotary_factor": 1.5}, "partial_rotary_factor"),
     ({"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"),
     ({"rope_type": "linear"}, "factor"),
 ])
