@@ -325,7 +325,10 @@ def prompt_chars(message: GenerateRequest) -> int:
 
 
 def fan_out(message: GenerateRequest, prompt_ids: tuple[int, ...]) -> list[TokenizedRequest]:
-    """One ``TokenizedRequest`` per sample of ``message`` (``n`` of them)."""
+    """One ``TokenizedRequest`` per sample of ``message`` (``n`` of them);
+    only sample 0 asks for the prompt's logprobs (issue 47, item 4: ``n``
+    samples with ``echo`` and ``logprobs`` scored a 2,000-token prompt n
+    times, with no prefix-cache hit between them)."""
     params = message.sampling_params
     n = params.n
     children = []
@@ -333,7 +336,12 @@ def fan_out(message: GenerateRequest, prompt_ids: tuple[int, ...]) -> list[Token
         child_params = params
         if n > 1:
             seed = None if params.seed is None else _wrap_seed(params.seed + index)
-            child_params = dataclasses.replace(params, n=1, seed=seed)
+            # one prompt pass scores the prompt: the other samples share sample
+            # 0's prompt logprobs (the API copies them) and may take its
+            # cached blocks instead of prefilling and scoring it again
+            prompt_logprobs = params.prompt_logprobs if index == 0 else None
+            child_params = dataclasses.replace(params, n=1, seed=seed,
+                                               prompt_logprobs=prompt_logprobs)
         children.append(TokenizedRequest(
             request_id=child_id,
             parent_id=message.request_id, index=index, prompt_token_ids=prompt_ids,

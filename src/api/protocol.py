@@ -806,6 +806,9 @@ class Renderer:
     tools: ToolReply | None = None  # parse <tool_call> blocks out of chat answers
     continuous_usage: bool = False  # usage so far in every chunk
     reasoning: str | None = None  # --reasoning-parser: <think> ... </think> out of chat content
+    #: The prompt's logprobs, computed by sample 0 only (``fan_out``) and
+    #: shared by every choice's ``echo``.
+    shared_prompt_logprobs: tuple[Any, ...] | None = None
     _streamed: dict[int, ChoiceState] = field(default_factory=dict)
 
     @property
@@ -850,6 +853,8 @@ class Renderer:
     def response(self, choices: Sequence[ChoiceState], num_prompt_tokens: int) -> dict[str, Any]:
         """The non-streaming ``chat.completion`` / ``text_completion`` object."""
         body = self._envelope(self.object_name)
+        self.shared_prompt_logprobs = next((c.prompt_logprobs for c in choices
+                                            if c.prompt_logprobs is not None), None)
         body["choices"] = [self._full_choice(c) for c in sorted(choices, key=lambda c: c.index)]
         body["usage"] = usage_object(choices, num_prompt_tokens)
         return body
@@ -860,7 +865,8 @@ class Renderer:
         if self.kind == "chat" and self.logprobs_top is not None and logprobs is None:
             logprobs = {"content": [], "refusal": None}
         if self.kind == "completion" and self.echo and self.logprobs_top is not None:
-            prompt_part = self._prompt_logprobs(choice.prompt_logprobs)
+            prompt_part = self._prompt_logprobs(choice.prompt_logprobs
+                                                or self.shared_prompt_logprobs)
             logprobs = prompt_part if logprobs is None else _merge_logprobs(prompt_part, logprobs)
         out: dict[str, Any] = {"index": choice.index}
         finish = choice.finish_reason
@@ -912,13 +918,16 @@ class Renderer:
         """
         offsets = state.add(output, self.token_text)
         self._streamed[state.index] = state
+        if state.prompt_logprobs is not None and self.shared_prompt_logprobs is None:
+            self.shared_prompt_logprobs = state.prompt_logprobs
         text = output.text
         logprobs = self._logprobs(output.logprobs or (), output.token_ids, offsets)
         if self.kind == "completion" and self.echo and not state.echoed:
             state.echoed = True
             text = self._echo_prefix() + text
             if self.logprobs_top is not None:
-                prompt_part = self._prompt_logprobs(state.prompt_logprobs)
+                prompt_part = self._prompt_logprobs(state.prompt_logprobs
+                                                    or self.shared_prompt_logprobs)
                 logprobs = (prompt_part if logprobs is None
                             else _merge_logprobs(prompt_part, logprobs))
         finish = output.finish_reason

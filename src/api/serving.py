@@ -527,6 +527,14 @@ class Generation:
         chunk = self.renderer.delta_chunk(state, event)
         return None if chunk is None else sse(chunk, large)
 
+    async def _chunk_of(self, choices: dict[int, ChoiceState], event: RequestOutput
+                        ) -> bytes | None:
+        """The SSE bytes of ``event``'s chunk, its choice's state updated."""
+        state = choices.setdefault(event.index, ChoiceState(event.index))
+        echoed = 0 if state.echoed else self._echoed_tokens()
+        return await self._maybe_off_loop(len(event.token_ids) + echoed, self._chunk_bytes,
+                                          state, event)
+
     def _log_outputs(self, choices: dict[int, ChoiceState]) -> None:
         """With ``--log-prompts`` only: log the generated texts."""
         if self.log_prompts:
@@ -543,18 +551,31 @@ class Generation:
         if renderer.kind == "chat":
             for index in range(self.n):
                 yield sse(renderer.role_chunk(index))
+        # echo with logprobs and n > 1: only sample 0 scores the prompt
+        # (``fan_out``), so another choice's first chunk waits for its scores
+        waiting: list[RequestOutput] | None = (
+            [] if renderer.echo and renderer.logprobs_top is not None and self.n > 1 else None)
         async for event in self.stream:
             if isinstance(event, RequestFailed):
                 yield sse(error_body(event.message, event.type, event.param, event.code))
                 break
             if isinstance(event, RequestOutput):
-                state = choices.setdefault(event.index, ChoiceState(event.index))
-                echoed = 0 if state.echoed else self._echoed_tokens()
-                data = await self._maybe_off_loop(len(event.token_ids) + echoed,
-                                                  self._chunk_bytes, state, event)
+                if waiting is not None and renderer.shared_prompt_logprobs is None:
+                    if event.prompt_logprobs is None:
+                        waiting.append(event)
+                        continue
+                    ready, waiting = [event, *waiting], None
+                else:
+                    ready = [event]
+                for output in ready:
+                    data = await self._chunk_of(choices, output)
+                    if data is not None:
+                        yield data
+        else:
+            for output in waiting or ():  # sample 0 never scored it: as it is
+                data = await self._chunk_of(choices, output)
                 if data is not None:
                     yield data
-        else:
             if renderer.include_usage:
                 yield sse(renderer.usage_chunk(list(choices.values()),
                                                len(self.accepted.prompt_token_ids)))

@@ -112,3 +112,48 @@ async def test_lone_surrogate_is_a_400_not_a_500(client) -> None:
                                  headers={"content-type": "application/json"})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "messages.0.content"
+
+
+def _shared_echo_script(request):
+    """n = 2 with echo and logprobs: sample 1's outputs come first, and only
+    sample 0's first output carries the prompt's logprobs (``fan_out``)."""
+    from dataclasses import replace
+    second = sample_outputs(request, 1, ["Good", " day"], logprobs=True)
+    first = sample_outputs(request, 0, ["Hello", " world"], logprobs=True)
+    first[0] = replace(first[0], prompt_logprobs=(None, (-1.0, ((1, -1.0),)),
+                                                  (-2.0, ((7, -0.1),))))
+    return [accepted(request), *second, *first]
+
+
+async def test_samples_share_one_prompt_scoring(client, engine):
+    """Issue 47, item 4: only sample 0 scores the prompt; every choice's
+    echo lists those logprobs, streamed too, though sample 1 answered first."""
+    engine.script = _shared_echo_script
+    body = {"prompt": "abc", "echo": True, "logprobs": 1, "n": 2}
+    r = await client.post("/v1/completions", json=body)
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    for choice in choices:
+        assert choice["logprobs"]["token_logprobs"][:3] == [None, -1.0, -2.0]
+    assert [c["text"] for c in choices] == ["abcHello world", "abcGood day"]
+    r = await client.post("/v1/completions", json={**body, "stream": True})
+    firsts = {}
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            choice = json.loads(line[6:])["choices"][0]
+            firsts.setdefault(choice["index"], choice)
+    for index in (0, 1):
+        assert firsts[index]["text"].startswith("abc")
+        assert firsts[index]["logprobs"]["token_logprobs"][:3] == [None, -1.0, -2.0]
+
+
+def test_only_sample_zero_asks_for_the_prompts_logprobs():
+    from kvserve.actors.messages import GenerateRequest
+    from kvserve.actors.tokenizer import fan_out
+    from kvserve.core.sampling_params import SamplingParams
+
+    request = GenerateRequest(request_id="r", arrival_time=0.0, prompt="abc",
+                              sampling_params=SamplingParams(n=4, logprobs=1,
+                                                             prompt_logprobs=1))
+    children = fan_out(request, (1, 2, 3))
+    assert [c.sampling_params.prompt_logprobs for c in children] == [1, None, None, None]
+    assert all(c.sampling_params.logprobs == 1 for c in children)
