@@ -684,6 +684,12 @@ MUTANTS: tuple[Mutant, ...] = (
              "            prompt_logprobs = params.prompt_logprobs"),),
            ("tests/api/test_api_extras.py",),
            "n samples with echo and logprobs each score the whole prompt again"),
+    Mutant("metrics_fail_with_a_replica_down", "distributed/client.py",
+           (("        texts = await asyncio.gather(*(one(r) for r in self.replicas), "
+             "return_exceptions=True)",
+             "        texts = await asyncio.gather(*(one(r) for r in self.replicas))"),),
+           ("tests/observability/test_obs_replica_metrics.py",),
+           "/metrics is a 500 while one data-parallel replica is down"),
     Mutant("gguf_cache_key_ignores_mtime", "model/gguf_model.py",
            (('f"{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())',
              'f"{CONVERTER_VERSION}:{stat.st_size}:".encode())'),),

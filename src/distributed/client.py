@@ -36,6 +36,7 @@ import re
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -413,9 +414,18 @@ class DataParallelClient:
         return {"status": status, "replicas_down": down}
 
     async def metrics_text(self) -> str:
-        """Every replica's metrics, each sample labelled ``replica="i"``."""
-        texts = await asyncio.gather(*(r.metrics_text.remote() for r in self.replicas))
-        return label_replicas(texts)
+        """Every replica's metrics, each sample labelled ``replica="i"``, and
+        ``kvserve:replica_up{replica="i"}`` (1 or 0): a replica that is down,
+        fails or does not answer within ``METRICS_TIMEOUT_S`` adds only its
+        0, so ``/metrics`` answers while one is down (it was a 500)."""
+        async def one(replica: Any) -> str:
+            return await asyncio.wait_for(_awaited(replica.metrics_text.remote()),
+                                          METRICS_TIMEOUT_S)
+
+        texts = await asyncio.gather(*(one(r) for r in self.replicas), return_exceptions=True)
+        up = [isinstance(t, str) for t in texts]
+        merged = label_replicas([t if ok else "" for t, ok in zip(texts, up)])
+        return merged + replica_up_text(up)
 
     async def drain(self, timeout: float) -> int:
         """Refuse new requests (503), let routed ones finish for up to
@@ -463,6 +473,22 @@ class _Progress:
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?(\s.*)$")
+
+
+#: Seconds a replica may take to answer a ``/metrics`` scrape.
+METRICS_TIMEOUT_S = 5.0
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
+
+
+def replica_up_text(up: list[bool]) -> str:
+    """The ``kvserve:replica_up`` gauge of each replica, Prometheus text."""
+    lines = ["# HELP kvserve:replica_up 1 when the replica answered this scrape, else 0.",
+             "# TYPE kvserve:replica_up gauge"]
+    lines += [f'kvserve:replica_up{{replica="{i}"}} {int(ok)}' for i, ok in enumerate(up)]
+    return "\n".join(lines) + "\n"
 
 
 def label_replicas(texts: list[str]) -> str:
