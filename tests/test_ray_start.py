@@ -72,3 +72,34 @@ def test_serve_with_an_unreachable_ray_address_is_one_line_and_exit_2(closed, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"kvserve: error: --ray-address {closed}: no Ray cluster answers")
     assert len([line for line in err if line.startswith("kvserve: error")]) == 1
+
+
+def test_ray_init_keeps_the_servers_signal_handlers(monkeypatch):
+    """Issue 47, item 7: ``ray.init`` installs its own SIGTERM / SIGINT
+    handlers, which replaced the server's drain; ``start_ray`` puts the
+    server's back."""
+    import signal
+    import sys
+    import types
+
+    from kvserve.distributed import ray_start
+
+    def drain(signum, frame):  # the server's handler
+        pass
+
+    fake = types.ModuleType("ray")
+    fake.is_initialized = lambda: False
+    fake.init = lambda **kwargs: (signal.signal(signal.SIGTERM, signal.SIG_DFL),
+                                  signal.signal(signal.SIGINT, signal.SIG_DFL))
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(ray_start, "ray_init_address", lambda explicit: None)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        signal.signal(signal.SIGTERM, drain)
+        signal.signal(signal.SIGINT, drain)
+        ray_start.start_ray(None)
+        assert signal.getsignal(signal.SIGTERM) is drain
+        assert signal.getsignal(signal.SIGINT) is drain
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

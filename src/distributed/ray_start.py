@@ -23,6 +23,7 @@ cluster fails at once (connection refused) and what a live one accepts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -125,6 +126,27 @@ def ray_init_address(explicit: str | None, env: Mapping[str, str] = os.environ,
     return "local"
 
 
+@contextlib.contextmanager
+def kept_signal_handlers():
+    """Restore this process's SIGTERM and SIGINT handlers after the block:
+    ``ray.init`` installs its own, which replaced the server's drain, so a
+    SIGTERM killed a data-parallel or disaggregated server at once instead
+    of draining it (issue 47, item 7). Off the main thread (where handlers
+    cannot be set) nothing is restored."""
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                try:
+                    signal.signal(sig, handler)
+                except ValueError:  # not the main thread
+                    pass
+
+
 def start_ray(explicit: str | None):
     """Start a local Ray or join the cluster (``ray_init_address``'s rule)
     unless this process already runs one; logs ``ray_started`` with its
@@ -139,7 +161,8 @@ def start_ray(explicit: str | None):
     if not ray.is_initialized():
         address = ray_init_address(explicit)  # never a stale recorded cluster
         t0 = time.monotonic()
-        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        with kept_signal_handlers():
+            ray.init(address=address, include_dashboard=False, log_to_driver=True)
         seconds = time.monotonic() - t0
         joined = address not in (None, "local")
         log.info("ray_started", address=address or "local", seconds=round(seconds, 2),

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -222,3 +224,28 @@ def test_a_killed_replica_loses_no_unstreamed_request_and_comes_back(dp_server):
         assert lines[-2:] == ["data: [DONE]", ""] or "data: [DONE]" in lines, lines[-3:]
     assert health == {"status": "ok"}, (health, os.getloadavg())
     assert replica_pids(dp_server)[0] != pids[0], "test precondition: the replica restarted"
+
+
+def test_zz_sigterm_drains_a_data_parallel_server(dp_server):
+    """Issue 47, item 7 (last in the module: it stops the shared server):
+    ``ray.init`` had replaced the drain handler, so SIGTERM killed a
+    data-parallel server within 0.1 s. Now a stream open at the signal runs
+    to its ``max_tokens`` (a drain, not a cut) and the server exits 0."""
+    body = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=dp_server.base_url, timeout=HANG_DEADLINE_S) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break
+            dp_server.proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+    assert any('"finish_reason":"length"' in line.replace(" ", "") for line in rest), rest[-3:]
+    assert "data: [DONE]" in rest
+    try:
+        status = dp_server.proc.wait(timeout=HANG_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(hang_message("the server did not exit", HANG_DEADLINE_S)) from None
+    assert status == 0, dp_server.log_tail()
+    assert dp_server.log_events("sigterm_received")
