@@ -522,6 +522,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--busy-procs", type=int, default=0,
                    help="processes spinning on the CPU for the whole run: a competing load "
                         "(the thread policy's test: at most one change a minute)")
+    p.add_argument("--busy-fraction", type=float, default=1.0,
+                   help="each busy process's share of a core (0.2: 20 ms of every 100 ms)")
     p.add_argument("--server-args", default="", help="extra 'kvserve serve' flags, one string")
     p.add_argument("--model", default=None,
                    help="both servers' model: a .gguf file or a name kvserve fetches "
@@ -548,14 +550,14 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"config": vars(args), "out": str(out), "kvserve_git": replay.git_info(),
                     "machine": replay.machine_info(), "loadavg_before": _loadavg(),
                     "calibration": calibrate()}
-    with busy_processes(args.busy_procs):
+    with busy_processes(args.busy_procs, args.busy_fraction):
         started = time.monotonic()
         if not args.skip_llamacpp:  # first: the build, if needed, fails early
             result["llamacpp"] = measure_llamacpp(args, out.parent)
         kv_started = time.monotonic()
         result["kvserve"] = measure_kvserve(args, out.parent)
         result["kvserve"]["minutes"] = round((time.monotonic() - kv_started) / 60, 2)
-        result["busy_procs"] = {"count": args.busy_procs,
+        result["busy_procs"] = {"count": args.busy_procs, "fraction": args.busy_fraction,
                                 "minutes": round((time.monotonic() - started) / 60, 2)}
     result["decode_floor"] = decode_floor(result)
     result["loadavg_after"] = _loadavg()
