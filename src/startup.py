@@ -297,7 +297,9 @@ def _load_checkpoint(config: EngineConfig) -> tuple[Path, ModelConfig, Tokenizer
     path = Path(config.model)
     files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.gguf"))
     what = "GGUF" if files and files[0].suffix == ".gguf" else "safetensors"
-    log.info("engine_loading", model=str(path), message=f"Loading {path.name} "
+    from kvserve.model.gguf_model import served_name
+
+    log.info("engine_loading", model=str(path), message=f"Loading {served_name(path)} "
              f"({sum(p.stat().st_size for p in files) / 2**20:,.1f} MiB of {what}) on the "
              f"{config.backend} backend...")
     # ``EngineConfig.chat_template`` (``--chat-template``) replaces the checkpoint's.

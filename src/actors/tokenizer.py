@@ -14,6 +14,7 @@ from kvserve.actors.registry import child_request_ids
 from kvserve.constraints.compiler import ConstraintError
 from kvserve.core.sampling_params import SEED_MIN
 from kvserve.core.structured_outputs import log_safe
+from kvserve.model.tokenizer import TemplateBudgetExceeded
 
 #: Prompts (text, or the summed string lengths of chat messages) shorter than
 #: this many characters are tokenized on the event loop. Encoding costs about
@@ -22,6 +23,11 @@ from kvserve.core.structured_outputs import log_safe
 #: of CPU and ~60 us of latency; a 9,000-token prompt (~20,000 characters)
 #: would block it ~10-25 ms. Measured on the 2-core dev machine (issue 11).
 INLINE_MAX_CHARS = 1024
+#: Seconds a chat template may render on the event loop (a short chat takes
+#: well under a millisecond); a slower one is stopped and rendered again on
+#: the pool, with the template's full budget, so that the loop (``/health``
+#: included) never waits on it.
+INLINE_RENDER_BUDGET_S = 0.05
 #: Threads that tokenize long prompts. The HF encoder releases the GIL
 #: (``Tokenizer.encode`` for long texts), so two long prompts encode in
 #: parallel; Jinja chat templates are Python and take the GIL in turns.
@@ -145,16 +151,20 @@ class TokenizerActor(Actor):
             if message.messages is not None:
                 check_message_count(len(message.messages), self.min_tokens_per_message,
                                     self.max_model_len)
-            if prompt_chars(message) < INLINE_MAX_CHARS and not self._constrained(message):
-                self._admit(message, self._tokenize(message))
-                return
+            inline = prompt_chars(message) < INLINE_MAX_CHARS
+            if inline and not self._constrained(message):
+                try:
+                    self._admit(message, self._tokenize(message, INLINE_RENDER_BUDGET_S))
+                    return
+                except TemplateBudgetExceeded:
+                    inline = False  # a slow chat template: rendered again on the pool
         except (PromptError, ConstraintError) as exc:
             self._fail(message.request_id, str(exc), exc.param)
             return
         ticket = next(self._tickets)
         for child_id in child_request_ids(message.request_id, message.sampling_params.n):
             self._preparing[child_id] = ticket
-        task = asyncio.create_task(self._prepare_off_loop(message, ticket),
+        task = asyncio.create_task(self._prepare_off_loop(message, ticket, inline),
                                    name=f"tokenize-{message.request_id}")
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
@@ -172,9 +182,12 @@ class TokenizerActor(Actor):
             self.admission.send(AbortRequest(tuple(onward), message.reason,
                                              message.num_output_tokens))
 
-    async def _prepare_off_loop(self, message: GenerateRequest, ticket: int) -> None:
-        """Tokenize ``message`` (on the pool when long) and compile its
-        constraint, then admit it unless it was aborted meanwhile."""
+    async def _prepare_off_loop(self, message: GenerateRequest, ticket: int,
+                                inline: bool = True) -> None:
+        """Tokenize ``message`` (on the pool when long, or when its chat
+        template is slow: ``inline`` False, or past ``INLINE_RENDER_BUDGET_S``
+        on the loop) and compile its constraint, then admit it unless it was
+        aborted meanwhile."""
         loop = asyncio.get_running_loop()
         rid = message.request_id
 
@@ -182,9 +195,13 @@ class TokenizerActor(Actor):
             return ticket not in self._aborted
 
         try:
-            if prompt_chars(message) < INLINE_MAX_CHARS:
-                prompt_ids = self._tokenize(message)
-            else:
+            prompt_ids = None
+            if inline and prompt_chars(message) < INLINE_MAX_CHARS:
+                try:
+                    prompt_ids = self._tokenize(message, INLINE_RENDER_BUDGET_S)
+                except TemplateBudgetExceeded:
+                    pass
+            if prompt_ids is None:
                 prompt_ids = await loop.run_in_executor(self._executor, self._tokenize, message)
             if self._constrained(message) and live():
                 self._check_length(message, prompt_ids)  # before paying for a compile
@@ -265,8 +282,12 @@ class TokenizerActor(Actor):
             return None
         return next(t for t in ids if not 0 <= t < vocab)
 
-    def _tokenize(self, message: GenerateRequest) -> tuple[int, ...]:
+    def _tokenize(self, message: GenerateRequest,
+                  budget: float | None = None) -> tuple[int, ...]:
         """Prompt token ids of ``message``; runs on the loop or on the pool.
+        ``budget``: the chat template's render budget (the loop's short one,
+        ``INLINE_RENDER_BUDGET_S``: past it ``TemplateBudgetExceeded`` is
+        raised for the pool to render again; None: the template's own).
 
         Raises ``PromptError`` for an out-of-vocabulary id or a chat
         template that fails."""
@@ -281,7 +302,12 @@ class TokenizerActor(Actor):
                 return tuple(self.tokenizer.encode_chat(
                     list(message.messages), add_generation_prompt=message.add_generation_prompt,
                     continue_final_message=message.continue_final_message,
-                    **(message.chat_template_kwargs or {})))
+                    render_budget_s=budget, **(message.chat_template_kwargs or {})))
+            except TemplateBudgetExceeded as exc:
+                if budget is not None:  # the inline try: the pool renders it again
+                    raise
+                raise PromptError(f"Cannot apply the chat template: {exc}",
+                                  param="messages") from exc
             except ValueError as exc:
                 raise PromptError(f"Cannot apply the chat template: {exc}", param="messages") from exc
         return tuple(self.tokenizer.encode(message.prompt or "", add_special_tokens=True,

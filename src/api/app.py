@@ -29,8 +29,9 @@ from kvserve.actors.stream import EngineClient
 from kvserve.api.connections import HeaderSizeLimit
 from kvserve.api.errors import EXCEPTION_HANDLERS, APIError, error_body
 from kvserve.api.refusal_log import RefusalLogMiddleware
-from kvserve.api.responses import (EventWriter, ResponseStore, chat_chunks, created_now, new_id,
-                                   response_object, response_shell, stream_events, to_chat_body)
+from kvserve.api.responses import (CHAT_TO_RESPONSES_PARAM, EventWriter, ResponseStore,
+                                   chat_chunks, created_now, new_id, response_object,
+                                   response_shell, stream_events, to_chat_body)
 from kvserve.api.tool_calls import render_messages
 from kvserve.api.protocol import (
     ChatCompletionRequest,
@@ -174,9 +175,20 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
         chat, messages = to_chat_body(data, store)
         if chat["stream"]:
             chat["stream_options"] = {"include_usage": True}
-        refuse_message_flood(chat, engine)
-        body = parse_model(ChatCompletionRequest, chat)
-        prepared = prepare("chat", body, RequestHeaders.parse(request), engine, server_config)
+        try:
+            refuse_message_flood(chat, engine)
+            body = parse_model(ChatCompletionRequest, chat)
+            prepared = prepare("chat", body, RequestHeaders.parse(request), engine,
+                               server_config)
+        except APIError as exc:  # name the Responses field, not the chat one
+            param = CHAT_TO_RESPONSES_PARAM.get(exc.param or "", exc.param)
+            if param != exc.param:
+                message = str(exc.message).replace(exc.param, param, 1)
+                if param == "max_output_tokens":
+                    message = message.replace("max_tokens", "max_output_tokens")
+                raise APIError(exc.status, message, param=param, type=exc.type,
+                               code=exc.code) from exc
+            raise
         response_id = new_id("resp")
         model = served_model(engine, server_config)
         answer = await run_generation(request, engine, prepared)

@@ -382,8 +382,10 @@ class ChatCompletionRequest(_CommonRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    @model_validator(mode="after")
-    def _template_kwargs(self) -> ChatCompletionRequest:
+    def check_template_fields(self) -> None:
+        """Raise ``ValueError`` (its message starts with the field's name) for
+        ``chat_template_kwargs`` naming what the renderer sets, or an
+        assistant prefill that cannot be (vLLM's rules)."""
         for name in self.chat_template_kwargs or ():
             if name in RESERVED_TEMPLATE_NAMES or not name.isidentifier():
                 raise ValueError(f"chat_template_kwargs: {name!r} cannot be set (the renderer "
@@ -394,7 +396,6 @@ class ChatCompletionRequest(_CommonRequest):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message: the last message must be the "
                              "assistant's text to continue")
-        return self
 
     @property
     def tools_active(self) -> bool:

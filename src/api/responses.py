@@ -48,7 +48,10 @@ STORE_SIZE = 256
 #: (sampling fields: ``temperature``, ``top_p``, ``seed``, ``user``, ...).
 _READ = {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "stream",
          "store", "previous_response_id", "metadata", "reasoning", "include", "truncation",
-         "parallel_tool_calls", "model", "background", "stream_options"}
+         "parallel_tool_calls", "model", "background", "stream_options", "conversation"}
+#: A chat field's 400 names the Responses field it came from.
+CHAT_TO_RESPONSES_PARAM = {"max_completion_tokens": "max_output_tokens", "messages": "input",
+                           "response_format": "text", "max_tokens": "max_output_tokens"}
 
 
 def new_id(prefix: str) -> str:
@@ -69,17 +72,18 @@ class ResponseStore:
         while len(self._items) > self.size:
             self._items.popitem(last=False)
 
-    def response(self, response_id: str) -> dict:
-        """The stored response; APIError 404 when it is not held."""
+    def response(self, response_id: str, param: str = "response_id") -> dict:
+        """The stored response; APIError 404 naming ``param`` when it is not held."""
         if response_id not in self._items:
             raise APIError(404, f"No response with id {response_id!r} is stored here (the "
                                 f"last {self.size} with store true are kept, in memory).",
-                           param="response_id", code="not_found")
+                           param=param, code="not_found")
         return self._items[response_id][1]
 
     def conversation(self, response_id: str) -> list[dict]:
-        """The chat messages of a stored response and its answer; 404 as :meth:`response`."""
-        self.response(response_id)
+        """The chat messages of a stored response and its answer; 404 as
+        :meth:`response`, naming ``previous_response_id``."""
+        self.response(response_id, "previous_response_id")
         messages, _, answer = self._items[response_id]
         return [*messages, *answer]
 
@@ -158,6 +162,9 @@ def to_chat_body(data: dict[str, Any], store: ResponseStore) -> tuple[dict[str, 
     if data.get("background"):
         raise APIError(400, "background: background responses are not supported",
                        param="background")
+    if data.get("conversation"):
+        raise APIError(400, "conversation: conversations are not supported here; continue one "
+                            "with previous_response_id", param="conversation")
     if data.get("n", 1) != 1:
         raise APIError(400, "n: a response has one output", param="n")
     messages = input_messages(data, store)
@@ -192,6 +199,9 @@ def to_chat_body(data: dict[str, Any], store: ResponseStore) -> tuple[dict[str, 
         body["tool_choice"] = choice
     fmt = (data.get("text") or {}).get("format") if isinstance(data.get("text"), dict) else None
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, "text.format: a json_schema format needs its schema (an object)",
+                           param="text")
         body["response_format"] = {"type": "json_schema", "json_schema": {
             "name": fmt.get("name", "output"), "schema": fmt.get("schema", {}),
             "strict": fmt.get("strict", False)}}
@@ -242,10 +252,14 @@ def _call_item(call: dict[str, Any], item_id: str) -> dict[str, Any]:
 
 
 def _finish(response: dict[str, Any], finish_reason: str | None) -> None:
-    """``status`` / ``incomplete_details`` of a finished response."""
+    """``status`` / ``incomplete_details`` of a finished response (and of its
+    message item: ``incomplete`` when the limit cut it, as OpenAI marks it)."""
     if finish_reason == "length":
         response["status"] = "incomplete"
         response["incomplete_details"] = {"reason": "max_output_tokens"}
+        for item in response["output"]:
+            if item.get("type") == "message":
+                item["status"] = "incomplete"
     else:
         response["status"] = "completed"
 

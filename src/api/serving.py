@@ -714,6 +714,11 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, headers:
     inputs: dict[str, Any]
     if isinstance(body, ChatCompletionRequest):
         check_chat_template(engine)
+        try:
+            body.check_template_fields()
+        except ValueError as exc:
+            message = str(exc)
+            raise APIError(400, message, param=message.split(":", 1)[0]) from exc
         native = template_knows_tools(template)
         tools = body.active_tools() if native else None
         kwargs = {**(body.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}

@@ -122,8 +122,10 @@ def _walk_header(buf: Any, size: int, fail: Callable[[str], Exception], struct: 
     def u64(what: str) -> int:
         return struct.unpack_from("<Q", buf, take(8, what))[0]
 
-    def string(what: str) -> None:
-        take(u64(f"{what}'s length"), what)
+    def string(what: str) -> bytes:
+        length = u64(f"{what}'s length")
+        start = take(length, what)
+        return bytes(buf[start:start + length]) if length <= 256 else b""
 
     def value(kind: int, what: str) -> None:
         if kind in _SCALAR_BYTES:
@@ -146,17 +148,49 @@ def _walk_header(buf: Any, size: int, fail: Callable[[str], Exception], struct: 
 
     if n_kv * 13 > size - pos:  # a key's length, one byte of name, type, one byte
         raise fail(f"{n_kv:,} metadata entries cannot fit in the file")
+    alignment = 32  # GGUF's default (``general.alignment``)
     for i in range(n_kv):
-        string(f"metadata key {i}")
-        value(u32(f"metadata value {i}'s type"), f"metadata value {i}")
+        key = string(f"metadata key {i}")
+        kind = u32(f"metadata value {i}'s type")
+        at = pos
+        value(kind, f"metadata value {i}")
+        if key == b"general.alignment" and kind == 4:
+            alignment = struct.unpack_from("<I", buf, at)[0] or 32
     if n_tensors * 24 > size - pos:
         raise fail(f"{n_tensors:,} tensors cannot fit in the file")
+    tensors = []
     for i in range(n_tensors):
-        string(f"tensor {i}'s name")
+        name = string(f"tensor {i}'s name").decode("utf-8", "replace")
         dims = u32(f"tensor {i}'s dimension count")
         if not 1 <= dims <= _MAX_DIMS:
             raise fail(f"tensor {i} has {dims} dimensions")
-        take(8 * dims + 4 + 8, f"tensor {i}'s sizes, type and offset")
+        at = take(8 * dims + 4 + 8, f"tensor {i}'s sizes, type and offset")
+        shape = struct.unpack_from(f"<{dims}Q", buf, at)
+        kind, offset = struct.unpack_from("<IQ", buf, at + 8 * dims)
+        tensors.append((name or f"tensor {i}", shape, kind, offset))
+    _check_tensor_data(tensors, -(-pos // alignment) * alignment, size, fail)
+
+
+def _check_tensor_data(tensors: list, data_start: int, size: int,
+                       fail: Callable[[str], Exception]) -> None:
+    """Each tensor's bytes (``gguf``'s ``GGML_QUANT_SIZES``: elements per block
+    and bytes per block of its type) lie inside the file: a file cut short
+    is named as such, not as numpy's reshape error."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for name, shape, kind, offset in tensors:
+        try:
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except (ValueError, KeyError):
+            raise fail(f"tensor {name!r} has unknown type {kind}") from None
+        elements = 1
+        for dim in shape:
+            elements *= dim
+        nbytes = elements // block * block_bytes
+        if data_start + offset + nbytes > size:
+            raise fail(f"tensor {name!r} needs {nbytes:,} bytes at byte "
+                       f"{data_start + offset:,}, past the end of the file ({size:,} bytes): "
+                       "truncated?")
 
 
 def open_gguf(gguf_path: Path) -> Any:
@@ -201,7 +235,11 @@ def _field(reader: Any, key: str, gguf_path: Path, default: Any = ...) -> Any:
         if default is ...:
             raise ConversionError(f"{gguf_path}: missing GGUF metadata key {key!r}")
         return default
-    return field.contents()
+    try:
+        return field.contents()
+    except UnicodeDecodeError as exc:
+        raise ConversionError(f"{gguf_path}: metadata {key!r} holds a string that is not "
+                              f"UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
 def _array(reader: Any, key: str, kind: Callable[[Any], Any], gguf_path: Path) -> list | None:

@@ -183,7 +183,8 @@ class Tokenizer:
             if any(word in text for word in ("took more than", "recursed too deep",
                                               "OverflowError", "MemoryError")):
                 raise ValueError(f"the chat template cannot render a one-message chat: {text}; "
-                                 "pass --chat-template PATH to replace it") from None
+                                 "pass --chat-template PATH with another (or fix the one "
+                                 "given)") from None
         _ = self.min_tokens_per_message
 
     @property
@@ -218,7 +219,8 @@ class Tokenizer:
         return self.encode(text, parse_special=False)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, **kwargs: Any) -> list[int]:
+                    continue_final_message: bool = False, render_budget_s: float | None = None,
+                    **kwargs: Any) -> list[int]:
         """Token ids of ``messages`` rendered by the chat template, where only
         the template's own text may hold special tokens: a user cannot forge
         a turn (``<|im_end|>\n<|im_start|>system``) from inside a message.
@@ -240,7 +242,8 @@ class Tokenizer:
         message (an assistant's, a string) is left open for the model to
         continue: rendered without a generation prompt, the prompt ends
         where that message's content ends (vLLM cuts at the content's last
-        occurrence, as here). Raises ``ValueError`` as
+        occurrence, as here). ``render_budget_s``: the render's budget
+        (:meth:`apply_chat_template`). Raises ``ValueError`` as
         :meth:`apply_chat_template` does, and for a last message without
         string content under ``continue_final_message``.
         """
@@ -253,7 +256,8 @@ class Tokenizer:
             add_generation_prompt = False
         if not any(isinstance(m.get("content"), str) and self._holds_special(m["content"])
                    for m in messages):
-            prompt = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+            prompt = self.apply_chat_template(messages, add_generation_prompt,
+                                              render_budget_s=render_budget_s, **kwargs)
             if final is not None:
                 end = prompt.rfind(final)
                 if end < 0:
@@ -270,7 +274,8 @@ class Tokenizer:
                 contents.append(content)
             else:
                 masked.append(message)
-        pieces = _SLOT_RE.split(self.apply_chat_template(masked, add_generation_prompt, **kwargs))
+        pieces = _SLOT_RE.split(self.apply_chat_template(
+            masked, add_generation_prompt, render_budget_s=render_budget_s, **kwargs))
         if final is not None:  # the prompt ends with the last content's slot
             pieces = pieces[:2 * len(contents)]
         parts = [contents[int(p)] if i % 2 else p for i, p in enumerate(pieces)]
@@ -343,7 +348,8 @@ class Tokenizer:
     # ------------------------------------------------------------------ chat template
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+                            add_generation_prompt: bool = True,
+                            render_budget_s: float | None = None, **kwargs: Any) -> str:
         """Render ``messages`` with the checkpoint's Jinja chat template.
 
         Rendering uses jinja2's ``ImmutableSandboxedEnvironment`` with ``trim_blocks``
@@ -356,10 +362,11 @@ class Tokenizer:
             The prompt text; encode it with :meth:`encode` (special-token strings in it
             become their ids).
 
-        A render has :data:`TEMPLATE_BUDGET_S` seconds: a template that loops
-        longer (a nested loop, on purpose or not) is stopped between two of
-        its lines (:func:`_render_within`), so that it cannot hold a thread,
-        or start-up, forever.
+        A render has ``render_budget_s`` seconds (default
+        :data:`TEMPLATE_BUDGET_S`): a template that loops longer (a nested
+        loop, on purpose or not) is stopped between two of its lines
+        (:func:`_render_within`) with :class:`TemplateBudgetExceeded`, so that
+        it cannot hold a thread, the event loop or start-up for long.
 
         Raises:
             ValueError: there is no chat template, the template is invalid or unsafe,
@@ -370,12 +377,15 @@ class Tokenizer:
             raise ValueError(NO_CHAT_TEMPLATE)
         try:
             template = _compile_template(self.chat_template)
-            return _render_within(template, TEMPLATE_BUDGET_S, messages=messages,
+            budget = TEMPLATE_BUDGET_S if render_budget_s is None else render_budget_s
+            return _render_within(template, budget, messages=messages,
                                   add_generation_prompt=add_generation_prompt,
                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                   **kwargs)
         except SecurityError as exc:
             raise ValueError(f"unsafe chat template: {exc}") from exc
+        except _TemplateOverBudget as exc:
+            raise TemplateBudgetExceeded(f"chat template error: {exc}") from exc
         except TemplateError as exc:
             raise ValueError(f"chat template error: {exc}") from exc
         except RecursionError:
@@ -391,7 +401,11 @@ TEMPLATE_BUDGET_S = 5.0
 
 
 class _TemplateOverBudget(TemplateError):
-    """A render that ran past its budget."""
+    """A render that ran past its budget (inside Jinja)."""
+
+
+class TemplateBudgetExceeded(ValueError):
+    """A chat-template render stopped at its budget (``apply_chat_template``)."""
 
 
 def _render_within(template: jinja2.Template, seconds: float, **context: Any) -> str:

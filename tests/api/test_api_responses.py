@@ -153,3 +153,31 @@ async def test_what_is_not_supported_is_a_400_naming_it(client, engine, fields, 
     with pytest.raises(openai.BadRequestError) as err:
         await client.responses.create(model="fake-model", **{"input": "x", **fields})
     assert err.value.body["param"] == param and engine.requests == []
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema"),
+    ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
+])
+async def test_a_400_names_the_responses_field(client, engine, fields, param, words):
+    """Found by a new user: errors named the chat field a Responses field maps
+    to (``max_completion_tokens``), a json_schema format without its schema
+    answered ``null``, and ``conversation`` was ignored."""
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.responses.create(model="fake-model", **{"input": "x", **fields})
+    assert err.value.body["param"] == param and words in err.value.body["message"]
+
+
+async def test_an_unknown_previous_response_names_its_field(client, engine):
+    with pytest.raises(openai.NotFoundError) as err:
+        await client.responses.create(model="fake-model", input="x",
+                                      previous_response_id="resp_nothing")
+    assert err.value.body["param"] == "previous_response_id"
+
+
+async def test_the_message_of_an_incomplete_response_is_incomplete(client, engine):
+    answering(engine, "Paris is", finish="length")
+    r = await client.responses.create(model="fake-model", input="Capital?", max_output_tokens=2)
+    [message] = [item for item in r.output if item.type == "message"]
+    assert r.status == message.status == "incomplete"

@@ -187,6 +187,8 @@ async def test_prefill_rules_are_400s(client, engine, fields, words) -> None:
     engine.tokenizer.chat_template = TEMPLATE
     r = await client.post("/v1/chat/completions", json={**CHAT, **fields})
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    error = r.json()["error"]  # found by a new user: param null, pydantic's "Value error, "
+    assert error["param"] == "continue_final_message" and error["message"].startswith("contin")
 
 
 @pytest.mark.anyio

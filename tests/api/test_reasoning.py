@@ -106,6 +106,7 @@ async def test_reserved_template_names_are_400(client, engine, name):
     r = await client.post("/v1/chat/completions",
                           json={**CHAT, "chat_template_kwargs": {name: 1}})
     assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "chat_template_kwargs"
     assert engine.requests == []
 
 

@@ -40,6 +40,9 @@ def _cases() -> dict[str, tuple[bytes, str]]:
     tensor = BASE.rindex(b"token_embd.weight") + len(b"token_embd.weight")  # n_dims u32 next
     non_utf8 = bytearray(BASE)
     non_utf8[first_token] = 0x80
+    arch_value = _after(b"general.architecture") + 4 + 8  # past its type and length
+    bad_arch = bytearray(BASE)
+    bad_arch[arch_value] = 0xE5
     return {
         "tensor count 2^62": (_patch(BASE, 8, "<Q", 2**62), "tensors cannot fit"),
         "metadata count 2^62": (_patch(BASE, 16, "<Q", 2**62), "metadata entries cannot fit"),
@@ -53,7 +56,10 @@ def _cases() -> dict[str, tuple[bytes, str]]:
         "no magic": (b"GGUX" + BASE[4:], "no GGUF magic"),
         "version 9": (_patch(BASE, 4, "<I", 9), "version 9"),
         "cut in the header": (BASE[:3000], "cannot fit"),
+        # found by a new user: numpy's reshape message before
+        "cut in the tensor data": (BASE[:len(BASE) // 2], "truncated?"),
         "non-UTF-8 token": (bytes(non_utf8), "not UTF-8"),
+        "non-UTF-8 architecture": (bytes(bad_arch), "not UTF-8"),
     }
 
 
