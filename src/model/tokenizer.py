@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import jinja2
+import structlog
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+
+_log = structlog.get_logger()
 
 #: Texts of at least this many characters are encoded through the binding's
 #: ``encode_batch``, which releases the GIL while Rust encodes (its ``encode``
@@ -204,8 +207,15 @@ class Tokenizer:
             for role in ("system", "user", "assistant"):
                 try:
                     one, two = (len(self.encode(self.apply_chat_template(
-                        [{"role": role, "content": ""}] * k, add_generation_prompt=False)))
+                        [{"role": role, "content": ""}] * k, add_generation_prompt=False,
+                        render_budget_s=PROBE_BUDGET_S)))
                         for k in (1, 2))
+                except TemplateBudgetExceeded:
+                    _log.warning("chat_template_slow", role=role,
+                                 message=f"The chat template took more than {PROBE_BUDGET_S:g} "
+                                         f"s to render two {role} messages: chats of several "
+                                         "messages will be slow, or refused")
+                    break
                 except ValueError:
                     continue
                 costs.append(two - one)
@@ -398,6 +408,9 @@ class Tokenizer:
 #: Seconds one chat-template render may take (a 4,000-message chat renders
 #: in well under one on the 2-core machine).
 TEMPLATE_BUDGET_S = 5.0
+#: Seconds each render of the start-up probe (``min_tokens_per_message``)
+#: may take: a template that loops on two messages cost 15 s of start-up.
+PROBE_BUDGET_S = 0.5
 
 
 class _TemplateOverBudget(TemplateError):

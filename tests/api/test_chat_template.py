@@ -240,3 +240,21 @@ def test_start_up_hints_the_shipped_gemma_template(tmp_path: Path) -> None:
     from kvserve import startup
 
     assert (startup.SHIPPED_TEMPLATES / "gemma3.jinja").is_file()
+
+
+def test_the_start_up_probe_of_a_slow_template_is_short_and_said(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """Found by a new user: a template that loops on two messages cost 15 s
+    of start-up (three probes of 5 s). The probe's renders get half a second
+    (``PROBE_BUDGET_S``; shortened here), and a line says the template is slow."""
+    import structlog
+
+    from kvserve.model import tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "PROBE_BUDGET_S", 0.05)
+    template = "{% if messages|length > 1 %}" + LOOPS + "{% endif %}{{ messages[0]['content'] }}"
+    tok = Tokenizer(_tokenizer_folder(tmp_path, template))
+    with structlog.testing.capture_logs() as logs:
+        tok.check_chat_template()  # one message renders: start-up goes on
+    assert tok.min_tokens_per_message == 1
+    assert [e["role"] for e in logs if e["event"] == "chat_template_slow"] == ["system"]
