@@ -697,7 +697,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("slow_template_renders_on_the_loop", "actors/tokenizer.py",
            (("                    self._admit(message, self._tokenize(message, INLINE_RENDER_BUDGET_S))",
              "                    self._admit(message, self._tokenize(message))"),),
-           ("tests/actors/test_actors_offload.py",),
+           ("tests/actors/test_actors_slow_template.py",),
            "a slow chat template renders on the event loop (/health waits behind it)"),
     Mutant("gguf_cache_key_ignores_mtime", "model/gguf_model.py",
            (('f"{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())',

@@ -283,23 +283,3 @@ def test_chat_template_kwargs_reach_the_template(tok):
             for kw in seen]
     assert sorted(seen, key=len) == [{}, {"enable_thinking": False}]  # any order
 
-
-def test_a_slow_chat_template_renders_on_the_pool_not_the_loop(tok, monkeypatch):
-    """Issue 47, item 1 (found again by a new user): a template that loops for
-    long rendered on the event loop, so /health waited seconds. A short chat
-    renders on the loop for at most ``INLINE_RENDER_BUDGET_S``, then again on
-    the pool with the template's own budget."""
-    import threading
-
-    from kvserve.actors import tokenizer as actor_module
-
-    monkeypatch.setattr(actor_module, "INLINE_RENDER_BUDGET_S", 0.01)
-    slow = ("{% for i in range(300) %}{% for j in range(3000) %}{% endfor %}{% endfor %}"
-            "{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    monkeypatch.setattr(tok._tok, "chat_template", slow)
-    received, failures = asyncio.run(run_batch(tok, [
-        request("slow", messages=({"role": "user", "content": "hi"},))]))
-    assert not failures and len(received) == 1
-    renders = [thread for kind, thread, _ in tok.calls if kind == "template"]
-    assert renders[0] == threading.get_ident()  # tried on the loop, stopped at the budget
-    assert renders[-1] != threading.get_ident() and len(renders) == 2  # then on the pool
