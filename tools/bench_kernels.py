@@ -7,7 +7,13 @@ median / min of ``--iters`` timed calls, per layer, plus the max relative error
 against the dense float64 reference for the first sequence.
 
 Usage:  python tools/bench_kernels.py [--seqs 32] [--ctx 512] [--prefill 512]
-        [--iters 20] [--tile-q 16] [--threads N] [--kv-cache-dtype auto|int8]
+        [--verify 9] [--gemv-rows 1 2 4 9 16] [--iters 20] [--tile-q 16]
+        [--threads N] [--kv-cache-dtype auto|int8] [--json out.json]
+
+``--verify N`` adds a speculative verification's attention (one sequence, N
+new tokens at the end of ``--ctx``); ``--gemv-rows`` times the float32
+product ``kernels.f32_gemv_range`` on one thread for those row counts at the
+default model's gate/up shape (1,536 x 576), in GMAC/s.
 
 ``--kv-cache-dtype int8`` times the same batches on the int8 cache
 (``kvserve.model.kv_quant``); the reference is then computed on the
@@ -23,12 +29,16 @@ if __name__ == "__main__":  # first: outside the venv, say how to run this scrip
     import _venv_guard  # noqa: F401
 
 import argparse
+import json
+import os
 import statistics
 import time
+from pathlib import Path
 
 import numba
 import numpy as np
 
+from kvserve.bench.replay import machine_info
 from kvserve.cpu.ops import CpuOps
 from kvserve.model import kv_quant
 from kvserve.testing.reference import reference_attention
@@ -64,7 +74,7 @@ def gather(cache: np.ndarray, bt_row: np.ndarray, L: int):
     return k, v
 
 
-def bench(name: str, ops: CpuOps, batch, iters: int) -> None:
+def bench(name: str, ops: CpuOps, batch, iters: int) -> dict:
     q, cache, bt, sl, qsl = batch
     scale = HD ** -0.5
     t = time.perf_counter()
@@ -81,6 +91,41 @@ def bench(name: str, ops: CpuOps, batch, iters: int) -> None:
     err = np.abs(out[:n0] - ref).max() / np.abs(ref).max()
     print(f"{name:<34s} first call {first * 1e3:9.1f} ms   median {statistics.median(times) * 1e3:8.3f} ms"
           f"   min {min(times) * 1e3:8.3f} ms   max rel err {err:.2e}")
+    return {"name": name, "first_call_ms": first * 1e3,
+            "median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3,
+            "max_rel_err": float(err)}
+
+
+def bench_gemv(rows: list[int], iters: int, n: int = 1536, k: int = 576) -> list[dict]:
+    """One thread's ``f32_gemv_range`` over all ``n`` channels of a float32
+    [n, k] weight for each row count: median and best GMAC/s, and the
+    largest error against float64 relative to the largest output."""
+    from kvserve.cpu.kernels import f32_gemv_range
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    results = []
+    for m in rows:
+        x = rng.standard_normal((m, k), dtype=np.float32)
+        out = np.empty((m, n), np.float32)
+        f32_gemv_range(x, w, out, 0, n)
+        ref = x.astype(np.float64) @ w.T.astype(np.float64)
+        err = float(np.abs(out - ref).max() / np.abs(ref).max())
+        reps = max(5, int(2e7 // (m * n * k)))
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            for _ in range(reps):
+                f32_gemv_range(x, w, out, 0, n)
+            times.append((time.perf_counter() - t) / reps)
+        macs = m * n * k
+        row = {"rows": m, "median_us": statistics.median(times) * 1e6,
+               "gmac_s_median": macs / statistics.median(times) / 1e9,
+               "gmac_s_best": macs / min(times) / 1e9, "max_rel_err": err}
+        print(f"f32_gemv_range {m:3d} x {k} x {n}: median {row['median_us']:8.1f} us  "
+              f"{row['gmac_s_median']:6.2f} GMAC/s (best {row['gmac_s_best']:6.2f})  "
+              f"rel err {err:.1e}")
+        results.append(row)
+    return results
 
 
 def main() -> None:
@@ -92,6 +137,11 @@ def main() -> None:
     ap.add_argument("--tile-q", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
+    ap.add_argument("--verify", type=int, default=0,
+                    help="also a verification step: one sequence, this many new tokens")
+    ap.add_argument("--gemv-rows", type=int, nargs="*", default=[],
+                    help="time f32_gemv_range on one thread at these row counts")
+    ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     if args.threads:
         numba.set_num_threads(args.threads)
@@ -100,11 +150,23 @@ def main() -> None:
     print(f"numba {numba.__version__}, threading layer threads={numba.get_num_threads()}, "
           f"tile_q={ops.tile_q}, heads {NH}/{NKV}, head_dim {HD}, block {BS}, "
           f"kv cache {args.kv_cache_dtype}")
+    loadavg_before = list(os.getloadavg())
     decode = make_batch(rng, [args.ctx] * args.seqs, [1] * args.seqs, ops, args.kv_cache_dtype)
-    bench(f"decode S={args.seqs} ctx={args.ctx}", ops, decode, args.iters)
+    results = [bench(f"decode S={args.seqs} ctx={args.ctx}", ops, decode, args.iters)]
+    if args.verify:
+        verify = make_batch(rng, [args.ctx], [args.verify], ops, args.kv_cache_dtype)
+        results.append(bench(f"verify 1 seq x {args.verify} new ctx={args.ctx}", ops, verify,
+                             args.iters))
     prefill = make_batch(rng, [args.prefill], [args.prefill], ops, args.kv_cache_dtype)
-    bench(f"prefill 1 seq x {args.prefill} new", ops, prefill, args.iters)
+    results.append(bench(f"prefill 1 seq x {args.prefill} new", ops, prefill, args.iters))
+    gemv = bench_gemv(args.gemv_rows, args.iters) if args.gemv_rows else []
     print(f"(threading layer: {numba.threading_layer()})")
+    if args.json:
+        record = {"argv": vars(args), "numba": numba.__version__,
+                  "threads": numba.get_num_threads(), "threading_layer": numba.threading_layer(),
+                  "machine": machine_info(), "loadavg_before": loadavg_before,
+                  "loadavg_after": list(os.getloadavg()), "attention": results, "gemv": gemv}
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ from kvserve.cpu.kernels import (_attend_tile, f32_gemv_range, f32_gemv_rows_ran
                                   quantize_kv_vector)
 from kvserve.cpu.kquant_kernels import KLANES, QK_K, kquant_range, quantize_q8_k_rows
 from kvserve.cpu.panel_kernels import DOT_FAST, LANES, panel_q8_range
+from kvserve.cpu.vector_math import exp_f32
 
 #: Weight kinds of the 7-tuples (``Q4P``: a q4 weight that also carries its
 #: panels, ``panel_kernels.pack_panels``; ``KQ4_K`` .. ``KQ6_K``: a K-quant
@@ -237,17 +238,17 @@ def _rope_q(s, kvh, qkv, positions, rope, nh, nkv, q):
 
 @njit(nogil=True, cache=True)
 def _rope_q_attend(s, kvh, qkv, positions, rope, kv_cache, block_tables, seq_lens, scale, nh,
-                   nkv, q, att, kv_scales=None):
+                   nkv, q, att, window, kv_scales=None):
     """Row s, KV head kvh: rotate the group's query heads into ``q`` and
     attend over the row's ``seq_lens[s]`` cached positions into ``att``."""
     _rope_q(s, kvh, qkv, positions, rope, nh, nkv, q)
     _attend_tile(q, kv_cache, block_tables[s], scale, s, 1, seq_lens[s] - 1, kvh, nh // nkv, att,
-                 0, kv_scales)
+                 window, kv_scales)
 
 
 @njit(nogil=True, cache=True)
 def _rope_q_attend_tile(t0, t1, kvh, qkv, positions, rope, kv_cache, block_tables, scale, nh,
-                        nkv, q, att, kv_scales=None):
+                        nkv, q, att, window, kv_scales=None):
     """Rows [t0, t1), consecutive tokens of one sequence (positions
     ``positions[t0]`` ..), KV head kvh: rotate their query heads, then one
     causal ``_attend_tile`` over the sequence's blocks, each K/V block read
@@ -255,23 +256,23 @@ def _rope_q_attend_tile(t0, t1, kvh, qkv, positions, rope, kv_cache, block_table
     for s in range(t0, t1):
         _rope_q(s, kvh, qkv, positions, rope, nh, nkv, q)
     _attend_tile(q, kv_cache, block_tables[t0], scale, t0, t1 - t0, positions[t0], kvh,
-                 nh // nkv, att, 0, kv_scales)
+                 nh // nkv, att, window, kv_scales)
 
 
 @njit(nogil=True, cache=True)
 def _rope_kv_attend(s, kvh, qkv, positions, rope, kv_cache, slots, block_tables, seq_lens,
-                    scale, nh, nkv, q, att, kv_scales=None):
+                    scale, nh, nkv, q, att, window, kv_scales=None):
     """Row s, KV head kvh: :func:`_rope_kv_write`, then :func:`_rope_q_attend`
     (the row's own K/V is the last position it attends to)."""
     _rope_kv_write(s, kvh, qkv, positions, rope, kv_cache, slots, nh, nkv, kv_scales)
     _rope_q_attend(s, kvh, qkv, positions, rope, kv_cache, block_tables, seq_lens, scale, nh,
-                   nkv, q, att, kv_scales)
+                   nkv, q, att, window, kv_scales)
 
 
 @njit(nogil=True, cache=True, parallel=True)
 def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, rope, slots,
                   block_tables, seq_lens, eps, scale, nh, nkv, n_chunks, act_q8, per_row,
-                  kv_scales=None, panels=False, act_qk=False, rows_share=False, tiles=None):
+                  kv_scales, panels, act_qk, rows_share, tiles, window):
     """Layers [l0, l1) of a batch of S one-token rows, in place.
 
     Args:
@@ -314,6 +315,13 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
         tiles: with ``rows_share``, int64[n + 1]: sequence i owns rows
             ``tiles[i]:tiles[i + 1]``, consecutive positions (the step's
             ``query_start_loc``); unread otherwise.
+        window: every layer's sliding window, 0 (``decode_path`` runs full
+            attention only here). A run-time argument, not a literal 0: LLVM
+            inlines ``kernels._attend_tile``, and specialized on a constant
+            window it vectorized the tile's sums in another order than the
+            op path's call, so the fused step's attention no longer equalled
+            the op path's bit for bit (and ``--batch-invariant``, which
+            mixes the two paths, broke).
 
     Unchecked: the caller (``decode_path``) checks positions, slots, block
     ids and seq_lens against the cache and the tables.
@@ -371,12 +379,13 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
                 for item in prange(n_tiles * nkv):
                     i = item // nkv
                     _rope_q_attend_tile(tiles[i], tiles[i + 1], item - i * nkv, qkv, positions,
-                                        rope, kv_cache, block_tables, scale, nh, nkv, q, att)
+                                        rope, kv_cache, block_tables, scale, nh, nkv, q, att,
+                                        window)
             else:
                 for item in prange(S * nkv):
                     s = item // nkv
                     _rope_kv_attend(s, item - s * nkv, qkv, positions, rope, kv_cache, slots,
-                                    block_tables, seq_lens, scale, nh, nkv, q, att)
+                                    block_tables, seq_lens, scale, nh, nkv, q, att, window)
         else:
             layer_scales = kv_scales[li]
             if rows_share:
@@ -388,12 +397,12 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
                     i = item // nkv
                     _rope_q_attend_tile(tiles[i], tiles[i + 1], item - i * nkv, qkv, positions,
                                         rope, kv_cache, block_tables, scale, nh, nkv, q, att,
-                                        layer_scales)
+                                        window, layer_scales)
             else:
                 for item in prange(S * nkv):
                     s = item // nkv
                     _rope_kv_attend(s, item - s * nkv, qkv, positions, rope, kv_cache, slots,
-                                    block_tables, seq_lens, scale, nh, nkv, q, att,
+                                    block_tables, seq_lens, scale, nh, nkv, q, att, window,
                                     layer_scales)
 
         att2 = att.reshape(S, nh * hd)
@@ -422,7 +431,7 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
             for t in range(S):
                 for i in range(lo, hi):
                     a = gu[t, i]
-                    act[t, i] = a / (np.float32(1.0) + np.exp(-a)) * gu[t, inter + i]
+                    act[t, i] = a / (np.float32(1.0) + exp_f32(-a)) * gu[t, inter + i]
 
         xq8 = _q8_operand(act, act_q8, no_q8)
         xqk = _qk_buffers(act, act_qk, no_qk)

@@ -70,6 +70,9 @@ _U8 = np.zeros((1, 1), np.uint8)
 _I8 = np.zeros((1, 1), np.int8)
 _NO_BIAS = np.zeros(0, np.float32)
 _NO_TILES = np.zeros(1, np.int64)  # ``tiles`` of a step whose sequences have one token each
+#: ``decode_layers``' window: the fused step attends over whole contexts only
+#: (:func:`fused_architecture`); an int passed at run time, see there.
+FULL_ATTENTION = 0
 #: The ``qkv2`` / ``qkv3`` of a layer whose q/k/v projection is fewer parts.
 _NO_WEIGHT = (dl.NONE, 0, _F32, _U8, _I8, _F32, _F32)
 
@@ -286,7 +289,7 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
     # kv_scales, panels and act_qk always given: one signature per cache dtype,
     # as warmup's
     extra = (scales, panels and act_q8, prep.act_qk, tiles is not None,
-             _NO_TILES if tiles is None else tiles)
+             _NO_TILES if tiles is None else tiles, FULL_ATTENTION)
     residual = hidden
     if not _f32(residual, 2):
         residual = np.array(hidden, dtype=np.float32, order="C")
@@ -373,7 +376,7 @@ def warmup(kv_cache_dtype: str = "auto") -> None:
              else np.zeros((2, 2, bs, nkv, hd), np.float32))
     caches = dl.typed_list([cache])
     extra = (dl.typed_list([cache.view(np.float32)]) if int8 else None, False, False, False,
-             _NO_TILES)
+             _NO_TILES, FULL_ATTENTION)
     x = np.ones((1, H), np.float32)
     with PARALLEL_REGION:
         dl.decode_layers(0, 1, x, x.copy(), False, layers, caches, np.zeros(1, np.int64),

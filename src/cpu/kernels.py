@@ -37,6 +37,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from kvserve.cpu.vector_math import exp_f32
+
 # Numba's threading layer: OpenMP where this Numba build has it, else
 # workqueue. Entering a parallel region costs 1.3 us with OpenMP and 90 us
 # with workqueue on the 2-core machine (workqueue parks its threads, and
@@ -156,7 +158,7 @@ def silu_and_mul_kernel(x, out):
     for t in range(T):
         for i in range(I):
             a = x[t, i]
-            out[t, i] = a / (np.float32(1.0) + np.exp(-a)) * x[t, I + i]
+            out[t, i] = a / (np.float32(1.0) + exp_f32(-a)) * x[t, I + i]
 
 
 @njit(nogil=True, cache=True)
@@ -252,41 +254,91 @@ def write_kv_kernel(k, v, kv_cache, slot_mapping, kv_scales=None):
 def f32_gemv_range(x, w, out, lo, hi):
     """out[:, n] = x @ w[n] for the channels n in [lo, hi), four at a time.
 
-    x: float32[M, K]; w: float32[N, K]; out: float32[M, N]. A 2 x 4 register
-    tile: two rows of x and four weight rows, eight float32 reductions over
-    K, so each load of a weight value serves two rows (a last odd row takes
-    a 1 x 4 tile); the four weight rows stay in L1 while the rows of x pass.
-    Memory-bound for the few rows of a decode step, like BLAS sgemv, but
-    with no BLAS thread pool to wake (see ``CpuOps.linear``); the 2-row tile
-    matters for speculative verify chunks and small decode batches.
+    x: float32[M, K]; w: float32[N, K]; out: float32[M, N]. Register tiles
+    of four weight rows and four rows of x (16 float32 reductions over K,
+    so that each load of a weight value serves four rows and each load of x
+    four channels), then a 2 x 4 and a 1 x 4 tile for the last rows; the
+    four weight rows stay in L1 while the rows of x pass. Memory-bound for
+    a decode step's one or two rows, like BLAS sgemv, but with no BLAS
+    thread pool to wake (see ``CpuOps.linear``); the 4-row tile is for
+    speculative verification chunks and small decode batches, which the
+    2 x 4 tile left bound by loads (``tools/bench_kernels.py --gemv-rows``,
+    record ``docs/benchmarks/2026-12-06-attention-four-keys.json``).
     """
     M, K = x.shape
     last = w.shape[0] - 1
     for n0 in range(lo, hi, 4):
         n1, n2, n3 = min(n0 + 1, last), min(n0 + 2, last), min(n0 + 3, last)
-        for m in range(0, M - 1, 2):
-            a0 = a1 = a2 = a3 = np.float32(0.0)
-            b0 = b1 = b2 = b3 = np.float32(0.0)
-            for k in range(K):
-                xa = x[m, k]
-                xb = x[m + 1, k]
-                w0 = w[n0, k]
-                w1 = w[n1, k]
-                w2 = w[n2, k]
-                w3 = w[n3, k]
-                a0 += xa * w0
-                a1 += xa * w1
-                a2 += xa * w2
-                a3 += xa * w3
-                b0 += xb * w0
-                b1 += xb * w1
-                b2 += xb * w2
-                b3 += xb * w3
+        m = 0
+        while m + 4 <= M:
+            _tile_4x4(x, m, w, n0, n1, n2, n3, out, hi)
+            m += 4
+        if m + 2 <= M:
+            _tile_2x4(x, m, w, n0, n1, n2, n3, out, hi)
+            m += 2
+        if m < M:
+            a0, a1, a2, a3 = _row_dot4(x, m, w, n0, n1, n2, n3)
             _store4(out, m, n0, hi, a0, a1, a2, a3)
-            _store4(out, m + 1, n0, hi, b0, b1, b2, b3)
-        if M % 2:
-            a0, a1, a2, a3 = _row_dot4(x, M - 1, w, n0, n1, n2, n3)
-            _store4(out, M - 1, n0, hi, a0, a1, a2, a3)
+
+
+@njit(nogil=True, cache=True, fastmath=_ATTN_FASTMATH, inline="always")
+def _tile_4x4(x, m, w, n0, n1, n2, n3, out, hi):
+    """out[m:m + 4, n0:n0 + 4] (channels below ``hi``): rows m..m+3 of x
+    against weight rows n0..n3, 16 reductions over K."""
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+    c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = np.float32(0.0)
+    for k in range(x.shape[1]):
+        w0 = w[n0, k]
+        w1 = w[n1, k]
+        w2 = w[n2, k]
+        w3 = w[n3, k]
+        xa = x[m, k]
+        xb = x[m + 1, k]
+        xc = x[m + 2, k]
+        xe = x[m + 3, k]
+        a0 += xa * w0
+        a1 += xa * w1
+        a2 += xa * w2
+        a3 += xa * w3
+        b0 += xb * w0
+        b1 += xb * w1
+        b2 += xb * w2
+        b3 += xb * w3
+        c0 += xc * w0
+        c1 += xc * w1
+        c2 += xc * w2
+        c3 += xc * w3
+        e0 += xe * w0
+        e1 += xe * w1
+        e2 += xe * w2
+        e3 += xe * w3
+    _store4(out, m, n0, hi, a0, a1, a2, a3)
+    _store4(out, m + 1, n0, hi, b0, b1, b2, b3)
+    _store4(out, m + 2, n0, hi, c0, c1, c2, c3)
+    _store4(out, m + 3, n0, hi, e0, e1, e2, e3)
+
+
+@njit(nogil=True, cache=True, fastmath=_ATTN_FASTMATH, inline="always")
+def _tile_2x4(x, m, w, n0, n1, n2, n3, out, hi):
+    """out[m:m + 2, n0:n0 + 4] (channels below ``hi``): 8 reductions over K."""
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+    for k in range(x.shape[1]):
+        w0 = w[n0, k]
+        w1 = w[n1, k]
+        w2 = w[n2, k]
+        w3 = w[n3, k]
+        xa = x[m, k]
+        xb = x[m + 1, k]
+        a0 += xa * w0
+        a1 += xa * w1
+        a2 += xa * w2
+        a3 += xa * w3
+        b0 += xb * w0
+        b1 += xb * w1
+        b2 += xb * w2
+        b3 += xb * w3
+    _store4(out, m, n0, hi, a0, a1, a2, a3)
+    _store4(out, m + 1, n0, hi, b0, b1, b2, b3)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -358,6 +410,66 @@ def f32_gemv_parallel(x, w, out, n_chunks, per_row):
 # --------------------------------------------------------------------------- #
 
 
+@njit(nogil=True, cache=True, fastmath=_ATTN_FASTMATH, inline="always")
+def _scores(qbuf, r, kc, kvh, j0, lim, p, kv_scales, pb):
+    """p[j] = qbuf[r] . K[j] for the keys j0 <= j < lim of one block
+    (``kc``: its K vectors, [block_size, num_kv_heads, head_dim]); four keys
+    at a time, so that each load of a query value serves four products (and
+    the four horizontal sums overlap). An int8 block's codes are converted as
+    they are read and each sum scaled by its key's scale."""
+    hd = qbuf.shape[1]
+    sidx = hd // 4
+    j = j0
+    while j + 4 <= lim:
+        s0 = s1 = s2 = s3 = np.float32(0.0)
+        for d in range(hd):
+            qd = qbuf[r, d]
+            s0 += qd * np.float32(kc[j, kvh, d])
+            s1 += qd * np.float32(kc[j + 1, kvh, d])
+            s2 += qd * np.float32(kc[j + 2, kvh, d])
+            s3 += qd * np.float32(kc[j + 3, kvh, d])
+        p[j] = s0
+        p[j + 1] = s1
+        p[j + 2] = s2
+        p[j + 3] = s3
+        j += 4
+    while j < lim:
+        s = np.float32(0.0)
+        for d in range(hd):
+            s += qbuf[r, d] * np.float32(kc[j, kvh, d])
+        p[j] = s
+        j += 1
+    if kv_scales is not None:
+        for j in range(j0, lim):
+            p[j] *= kv_scales[pb, 0, j, kvh, sidx]
+
+
+@njit(nogil=True, cache=True, fastmath=_ATTN_FASTMATH, inline="always")
+def _accumulate_values(acc, r, vc, kvh, j0, lim, p):
+    """acc[r] += sum of p[j] V[j] over the keys j0 <= j < lim of one block
+    (``vc``: its V vectors); four keys per pass over ``acc[r]``, so that the
+    row is loaded and stored once per four keys (one pass per key made each
+    pass wait for the last one's stores). An int8 block's codes are
+    converted as they are read (``p`` then holds the value scales too)."""
+    hd = acc.shape[1]
+    j = j0
+    while j + 4 <= lim:
+        p0 = p[j]
+        p1 = p[j + 1]
+        p2 = p[j + 2]
+        p3 = p[j + 3]
+        for d in range(hd):
+            acc[r, d] += (p0 * np.float32(vc[j, kvh, d]) + p1 * np.float32(vc[j + 1, kvh, d])
+                          + p2 * np.float32(vc[j + 2, kvh, d])
+                          + p3 * np.float32(vc[j + 3, kvh, d]))
+        j += 4
+    while j < lim:
+        pj = p[j]
+        for d in range(hd):
+            acc[r, d] += pj * np.float32(vc[j, kvh, d])
+        j += 1
+
+
 @njit(nogil=True, cache=True, fastmath=_ATTN_FASTMATH)
 def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out, window,
                  kv_scales=None):
@@ -369,7 +481,12 @@ def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out,
     a row's window is never read, and neither is a block before the first
     query's window (its block-table entry may be stale).
     Online (streaming) softmax over key blocks: per row a running max m, a
-    running denominator l and an unnormalized accumulator acc.
+    running denominator l and an unnormalized accumulator acc; per block
+    and row the scores (:func:`_scores`, four keys at a time), their
+    exponentials by ``vector_math.exp_f32`` (a packed loop: ``np.exp`` was a
+    libm call per key) and the values (:func:`_accumulate_values`, four
+    keys per pass). Measured with ``tools/bench_kernels.py`` (record
+    ``docs/benchmarks/2026-12-06-attention-four-keys.json``).
     An int8 cache (``kv_scales`` its float32 view) is dequantized as it is
     read: a key's score is ``s_k * sum(q_d * c_d)``, a value adds
     ``(p * s_v) * c_d``; codes are converted to float32 in the inner loops,
@@ -398,6 +515,8 @@ def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out,
         pb = block_table[b]
         kstart = b * bs
         nk = min(bs, pos_last + 1 - kstart)
+        kc = kv_cache[pb, 0]
+        vc = kv_cache[pb, 1]
         for r in range(R):
             # keys j0 .. lim - 1 of this block are visible to row r (causal
             # mask, and the sliding window)
@@ -413,40 +532,27 @@ def _attend_tile(q, kv_cache, block_table, scale, t0, nq, pos0, kvh, group, out,
                     j0 = 0
                 if j0 >= lim:
                     continue
-            bmax = -np.inf
-            for j in range(j0, lim):
-                s = np.float32(0.0)
-                if kv_scales is None:
-                    for d in range(hd):
-                        s += qbuf[r, d] * kv_cache[pb, 0, j, kvh, d]
-                else:
-                    for d in range(hd):
-                        s += qbuf[r, d] * np.float32(kv_cache[pb, 0, j, kvh, d])
-                    s *= kv_scales[pb, 0, j, kvh, sidx]
-                p[j] = s
-                if s > bmax:
-                    bmax = s
+            _scores(qbuf, r, kc, kvh, j0, lim, p, kv_scales, pb)
+            bmax = p[j0]
+            for j in range(j0 + 1, lim):
+                if p[j] > bmax:
+                    bmax = p[j]
             m_old = m[r]
             m_new = m_old if m_old > bmax else bmax
-            alpha = np.exp(m_old - m_new)  # exp(-inf) = 0 on the first block
+            alpha = exp_f32(m_old - m_new)  # exp(-inf) = 0 on the first block
             psum = np.float32(0.0)
             for j in range(j0, lim):
-                e = np.exp(p[j] - m_new)
+                e = exp_f32(p[j] - m_new)
                 p[j] = e
                 psum += e
             l[r] = l[r] * alpha + psum
             m[r] = m_new
             for d in range(hd):
                 acc[r, d] *= alpha
-            for j in range(j0, lim):
-                pj = p[j]
-                if kv_scales is None:
-                    for d in range(hd):
-                        acc[r, d] += pj * kv_cache[pb, 1, j, kvh, d]
-                else:
-                    pj *= kv_scales[pb, 1, j, kvh, sidx]
-                    for d in range(hd):
-                        acc[r, d] += pj * np.float32(kv_cache[pb, 1, j, kvh, d])
+            if kv_scales is not None:
+                for j in range(j0, lim):
+                    p[j] *= kv_scales[pb, 1, j, kvh, sidx]
+            _accumulate_values(acc, r, vc, kvh, j0, lim, p)
     for qi in range(nq):
         for g in range(group):
             r = qi * group + g
