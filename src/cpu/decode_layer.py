@@ -269,7 +269,7 @@ def _rope_kv_attend(s, kvh, qkv, positions, rope, kv_cache, slots, block_tables,
                    nkv, q, att, window, kv_scales)
 
 
-@njit(nogil=True, cache=True, parallel=True)
+@njit(nogil=True, cache=True, parallel=True, error_model="numpy")
 def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, rope, slots,
                   block_tables, seq_lens, eps, scale, nh, nkv, n_chunks, act_q8, per_row,
                   kv_scales, panels, act_qk, rows_share, tiles, window):
@@ -324,7 +324,9 @@ def decode_layers(l0, l1, x, residual, add_first, layers, kv_caches, positions, 
             mixes the two paths, broke).
 
     Unchecked: the caller (``decode_path``) checks positions, slots, block
-    ids and seq_lens against the cache and the tables.
+    ids and seq_lens against the cache and the tables. Divisions follow
+    NumPy (``error_model="numpy"``: no zero-divisor check, which kept the
+    SiLU loop scalar, as in ``kernels.silu_and_mul_kernel``).
     """
     S, H = x.shape
     hd = rope.shape[1]

@@ -148,11 +148,14 @@ def rotary_kernel(positions, x, cos_sin_cache):
                 x[t, h, half + i] = x2 * c + x1 * s
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def silu_and_mul_kernel(x, out):
     """out = silu(x[:, :I]) * x[:, I:], silu(a) = a / (1 + exp(-a)).
 
-    x: float32[T, 2*I]; out: float32[T, I].
+    x: float32[T, 2*I]; out: float32[T, I]. ``error_model="numpy"``: with
+    Python's, each division checks for a zero divisor and raises, and that
+    branch kept the loop scalar (4.8 ns an element; 0.5 packed, the same
+    bits; 1 + exp(-a) is never 0).
     """
     T, I = out.shape
     for t in range(T):
