@@ -7,10 +7,12 @@ median / min of ``--iters`` timed calls, per layer, plus the max relative error
 against the dense float64 reference for the first sequence.
 
 Usage:  python tools/bench_kernels.py [--seqs 32] [--ctx 512] [--prefill 512]
-        [--verify 9] [--gemv-rows 1 2 4 9 16] [--iters 20] [--tile-q 16]
+        [--verify 9] [--layers 30] [--gemv-rows 1 2 4 9 16] [--iters 20] [--tile-q 16]
         [--threads N] [--kv-cache-dtype auto|int8] [--json out.json]
 
-``--verify N`` adds a speculative verification's attention (one sequence, N
+``--layers N`` times the decode batch over N caches in turn, as a model's
+layers are (a working set beyond the last-level cache: the blocks come from
+memory); ``--verify N`` adds a speculative verification's attention (one sequence, N
 new tokens at the end of ``--ctx``); ``--gemv-rows`` times the float32
 product ``kernels.f32_gemv_range`` on one thread for those row counts at the
 default model's gate/up shape (1,536 x 576), in GMAC/s.
@@ -96,6 +98,27 @@ def bench(name: str, ops: CpuOps, batch, iters: int) -> dict:
             "max_rel_err": float(err)}
 
 
+def bench_layers(args, ops: CpuOps, rng: np.random.Generator) -> dict:
+    """The decode batch over ``args.layers`` caches in turn: median and best
+    time per layer (ms)."""
+    batches = [make_batch(rng, [args.ctx] * args.seqs, [1] * args.seqs, ops, args.kv_cache_dtype)
+               for _ in range(args.layers)]
+    scale = HD ** -0.5
+    for q, cache, bt, sl, qsl in batches:
+        ops.paged_attention(q, cache, bt, sl, qsl, scale)
+    times = []
+    for _ in range(max(3, args.iters // 4)):
+        t = time.perf_counter()
+        for q, cache, bt, sl, qsl in batches:
+            ops.paged_attention(q, cache, bt, sl, qsl, scale)
+        times.append((time.perf_counter() - t) / args.layers)
+    name = f"decode S={args.seqs} ctx={args.ctx} over {args.layers} caches"
+    print(f"{name:<34s} per layer: median {statistics.median(times) * 1e3:8.3f} ms"
+          f"   min {min(times) * 1e3:8.3f} ms")
+    return {"name": name, "median_ms": statistics.median(times) * 1e3,
+            "min_ms": min(times) * 1e3}
+
+
 def bench_gemv(rows: list[int], iters: int, n: int = 1536, k: int = 576) -> list[dict]:
     """One thread's ``f32_gemv_range`` over all ``n`` channels of a float32
     [n, k] weight for each row count: median and best GMAC/s, and the
@@ -139,6 +162,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
     ap.add_argument("--verify", type=int, default=0,
                     help="also a verification step: one sequence, this many new tokens")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="decode over this many caches in turn (per-layer time reported)")
     ap.add_argument("--gemv-rows", type=int, nargs="*", default=[],
                     help="time f32_gemv_range on one thread at these row counts")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -153,6 +178,8 @@ def main() -> None:
     loadavg_before = list(os.getloadavg())
     decode = make_batch(rng, [args.ctx] * args.seqs, [1] * args.seqs, ops, args.kv_cache_dtype)
     results = [bench(f"decode S={args.seqs} ctx={args.ctx}", ops, decode, args.iters)]
+    if args.layers > 1:
+        results.append(bench_layers(args, ops, rng))
     if args.verify:
         verify = make_batch(rng, [args.ctx], [args.verify], ops, args.kv_cache_dtype)
         results.append(bench(f"verify 1 seq x {args.verify} new ctx={args.ctx}", ops, verify,
