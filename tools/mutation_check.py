@@ -902,9 +902,9 @@ DISK_ENGINE = ("tests/engine/test_engine_kv_disk.py",)
 MUTANTS_KV_DISK = (
     Mutant("disk_lru_evicts_newest", "distributed/disk_tier.py",
            (("                for block_hash in self._index:\n"
-             "                    if self._leases.get(block_hash, 0.0) >= now:",
+             "                    if block_hash in self._foreign or",
              "                for block_hash in reversed(self._index):\n"
-             "                    if self._leases.get(block_hash, 0.0) >= now:"),),
+             "                    if block_hash in self._foreign or"),),
            DISK_UNIT, "the disk tier's bound removes the most recently used file, not the least"),
     Mutant("disk_read_is_no_use", "distributed/disk_tier.py",
            (("            if block_hash in self._index:\n"
@@ -913,11 +913,26 @@ MUTANTS_KV_DISK = (
              "            _add(self.counters.reads"),),
            DISK_UNIT, "a disk read does not count as a use for the LRU order"),
     Mutant("disk_lease_ignored", "distributed/disk_tier.py",
-           (("                    if self._leases.get(block_hash, 0.0) >= now:\n"
-             "                        continue",
-             "                    if False:\n"
-             "                        continue"),),
+           (("                    if block_hash in self._foreign or self._leases.get(block_hash, 0.0) >= now:",
+             "                    if block_hash in self._foreign:"),),
            DISK_UNIT, "the bound removes a block a look-up leased for the next step's load"),
+    Mutant("disk_evicts_a_live_tiers_files", "distributed/disk_tier.py",
+           (("                    if block_hash in self._foreign or self._leases.get(block_hash, 0.0) >= now:",
+             "                    if self._leases.get(block_hash, 0.0) >= now:"),
+            ("            excess = len(self._index) - len(self._foreign) - self.max_blocks",
+             "            excess = len(self._index) - self.max_blocks")),
+           DISK_UNIT, "a tier with a smaller bound deletes another live server's block files "
+           "(issue 47 item 10)"),
+    Mutant("disk_owner_lock_ignored", "distributed/disk_tier.py",
+           (("        return True  # held: its owner lives",
+             "        return False"),),
+           DISK_UNIT, "every other tier's files are taken for a dead owner's and evicted"),
+    Mutant("kv_load_lost_fails_the_request", "actors/scheduler.py",
+           (("        if result.error is not None and result.kv_load_lost:",
+             "        if False:"),),
+           ("tests/actors/test_scheduler_kv_load_lost.py",) + DISK_ENGINE,
+           "a block lost from the offload tier between look-up and load is a 500 "
+           "instead of a recompute"),
     Mutant("disk_checksum_unchecked", "distributed/disk_tier.py",
            (("            if zlib.crc32(view[HEADER_BYTES:]) != crc:",
              "            if False:"),),
@@ -1176,6 +1191,12 @@ MUTANTS_BENCH = (
 
 #: The serving core's policies (issue 33): each mutant's one test file runs in seconds.
 MUTANTS_CORE_POLICY = (
+    Mutant("recompute_keeps_the_void_token", "core/scheduler.py",
+           (("                    or scheduler_output.step_id <= request.outputs_void_through):",
+             "                    or False):"),),
+           ("tests/core/test_core_kv_transfer.py",),
+           "a request restarted after a lost KV load keeps the token a step in flight computed "
+           "from the bad K/V"),
     Mutant("free_queue_evicts_newest_cached", "core/kv_cache_manager.py",
            (("                else:\n                    self.free_queue.append(block)",
              "                else:\n                    self.free_queue.appendleft(block)"),),
@@ -1251,6 +1272,7 @@ CI_MUTANTS = (
     "constraint_child_forked", "constraint_compile_idle_from_start",
     "block_hash_parent_link", "slot_mapping_offset", "threads_no_dwell",
     "stall_clock_not_restarted", "router_prefix_gap", "disk_checksum_unchecked",
+    "disk_evicts_a_live_tiers_files", "kv_load_lost_fails_the_request",
     "tp_allreduce_single_buffer", "pp_micro_batch_takes_every_decode",
     "pp_finished_request_dropped_in_flight", "plan_device_kv_unsharded",
     "bench_speed_scaling_inverted", "bench_busy_run_judged",

@@ -459,3 +459,7 @@ class StepResult:
     #: ``kvserve.model.runner.KVCacheLost``): the scheduler fails the running
     #: requests and forgets every cached block.
     kv_lost: bool = False
+    #: A block the step was to load from an offload tier was gone
+    #: (``kvserve.model.runner.KVLoadLost``): the step computed nothing; the
+    #: scheduler restarts its requests from their prompts instead of failing them.
+    kv_load_lost: bool = False

@@ -284,7 +284,9 @@ class SchedulerActor(Actor):
         runner_output = result.runner_output
         self.stall.on_step(time.monotonic())
         spec = None
-        if result.error is not None:
+        if result.error is not None and result.kv_load_lost:
+            self._recompute_step(output, result.error)
+        elif result.error is not None:
             self._fail_step(output, result.error)
             if result.kv_lost:
                 self._drop_kv(result.error)
@@ -386,6 +388,28 @@ class SchedulerActor(Actor):
         updates = self.core.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         self.log.error("step_failed", step_id=output.step_id, error=error, request_ids=list(ids))
         self._emit(updates, error=error)
+
+    def _recompute_step(self, output: SchedulerOutput, error: str) -> None:
+        """A step could not load a block from an offload tier (nothing was
+        computed): restart its requests from their prompts, with those of
+        the steps in flight behind it that read its blocks through a
+        prefix-cache hit (the tier's look-up now misses the lost block, so
+        they recompute it); forget the hashes of the blocks it was writing.
+        Logs ``request_preempted`` (reason ``kv_load_lost``) for each."""
+        self.core.kv_cache_manager.evict_hashes(output.written_block_ids)
+        ids = tuple(r.request_id for r in output.scheduled)
+        ids += tuple(rid for later in self._in_flight
+                     for rid in _hits_on(later.output, output.written_block_ids,
+                                         self.core.block_size))
+        for event in self.core.recompute(ids, "kv_load_lost"):
+            self.total_preemptions += 1
+            self.log.warning(
+                "request_preempted", request_id=event.request_id, reason=event.reason,
+                num_blocks_freed=event.num_blocks_freed, total_preemptions=self.total_preemptions,
+                error=error,
+                message=f"Request {event.request_id} preempted (recompute): a KV block it was "
+                        f"to load from the offload tier was lost ({error}); it starts again "
+                        "from its prompt")
 
     def _emit(self, updates: list[RequestUpdate] | tuple[RequestUpdate, ...],
               logprobs: dict | None = None, error: str | None = None,

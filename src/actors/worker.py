@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvserve.actors.base import Actor, Mailbox
 from kvserve.actors.messages import AttachTier, DropImports, ExecuteStep, ImportBlocks, StepResult
 from kvserve.distributed.kv_connector import log_offload_tier
-from kvserve.model.runner import KVCacheLost
+from kvserve.model.runner import KVCacheLost, KVLoadLost
 
 
 def worker_executor() -> ThreadPoolExecutor:
@@ -76,6 +76,11 @@ class WorkerActor(Actor):
             output = await loop.run_in_executor(self._executor, self.runner.execute,
                                                 message.scheduler_output)
             error = None
+        except KVLoadLost as exc:  # not a fault of the step's: its requests start again
+            self.log.warning("kv_load_lost", step_id=message.step_id, error=str(exc))
+            self.scheduler.send(StepResult(message.step_id, out, None, start, time.monotonic(),
+                                           f"KVLoadLost: {exc}", kv_load_lost=True))
+            return
         except Exception as exc:  # noqa: BLE001 - a failed step must not stop the engine
             self.log.exception("step_failed", step_id=message.step_id)
             output, error = None, f"{type(exc).__name__}: {exc}"
@@ -122,7 +127,8 @@ class WorkerActor(Actor):
         self.scheduler.send(StepResult(
             message.step_id, message.scheduler_output, output, start, time.monotonic(),
             None if error is None else f"{type(error).__name__}: {error}",
-            kv_lost=isinstance(error, KVCacheLost) or bool(output and output.kv_lost)))
+            kv_lost=isinstance(error, KVCacheLost) or bool(output and output.kv_lost),
+            kv_load_lost=isinstance(error, KVLoadLost)))
 
     def _connector(self):
         """The runner's connector, built on first need."""

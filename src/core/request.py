@@ -88,6 +88,9 @@ class Request:
     - ``num_cached_tokens``: prefix-cache hit tokens at first scheduling
       (-1 before the first scheduling).
     - ``num_preemptions``: times preempted (by recompute).
+    - ``outputs_void_through``: the last step id whose results for it are
+      void (its K/V were lost and it restarts from its prompt:
+      ``Scheduler.recompute``); -1 when none.
     - ``block_hashes``: prefix-cache hashes of the full blocks of
       ``all_token_ids``, extended incrementally by the KV cache manager.
     - ``stop_reason``: the stop token id that finished it, if any.
@@ -119,6 +122,7 @@ class Request:
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.outputs_void_through = -1
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | None = None
         self.error: str | None = None

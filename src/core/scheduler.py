@@ -536,6 +536,38 @@ class Scheduler:
         self._finished_ids[request.request_id] = None
         step.preemptions.append(PreemptionEvent(request.request_id, "kv_cache_full", num_freed))
 
+    def recompute(self, request_ids: Iterable[str], reason: str) -> list[PreemptionEvent]:
+        """Restart running requests whose K/V are bad (a block the step was
+        to load from an offload tier was gone: vLLM's ``recompute`` policy
+        for KV load failures) as a preemption by recompute: forget the
+        prefix-cache hashes of all their blocks (what they loaded or will
+        compute from it is bad), free them, requeue them at the front, and
+        void every result of a step already scheduled for them (their
+        tokens were computed from the bad K/V: ``update_from_output`` drops
+        them). Unknown, finished and waiting ids are ignored. Returns the
+        preemptions (``reason`` as given)."""
+        events = []
+        manager = self.kv_cache_manager
+        for request_id in dict.fromkeys(request_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            self.running.remove(request)
+            manager.evict_hashes(manager.get_block_ids(request_id))
+            num_freed = manager.free(request)
+            self._blocks_sent.pop(request_id, None)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
+            request.outputs_void_through = self._step_id - 1  # the last step scheduled
+            if request.spec is not None:
+                request.spec.draft_token_ids = []
+            request.num_preemptions += 1
+            self.staged.prepend(request)
+            self._finished_ids[request_id] = None
+            events.append(PreemptionEvent(request_id, reason, num_freed))
+        return events
+
     def _schedule_waiting(self, step: _Step) -> None:
         """Admit waiting requests in queue order while budget, sequence slots
         and blocks allow. Under ``priority`` a waiting request that finds no
@@ -698,7 +730,7 @@ class Scheduler:
         one until a stop condition, finishing and freeing it then; register
         the blocks that became full and known in the prefix cache. Requests
         finished or aborted since the schedule are skipped: their tokens are
-        dropped. A request preempted since keeps its token (see the module
+        dropped; so are those of requests restarted since (``recompute``). A request preempted since keeps its token (see the module
         docstring). A sampling request missing from ``sampled`` finishes with
         an error. ``drafts`` (request id -> token ids) are the draft model's
         proposals for the requests' next steps; a request that is no longer
@@ -708,7 +740,8 @@ class Scheduler:
         updates = []
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
-            if not scheduled.sample or request is None:
+            if (not scheduled.sample or request is None
+                    or scheduler_output.step_id <= request.outputs_void_through):
                 continue
             running = request.status is RequestStatus.RUNNING
             if running:

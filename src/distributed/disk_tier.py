@@ -14,7 +14,18 @@ layout belongs to another model or dtype and is never touched. A file is a
 ``HEADER_BYTES`` header (magic, version, layout key, block hash, payload
 bytes, CRC-32 of the payload) and the block's bytes as the cache stores them.
 
-Safety, also when several processes (data-parallel replicas) share ``DIR``:
+Ownership, when several servers share ``DIR``: each tier holds an owner
+token (8 random bytes) for its lifetime, written into the header of every
+file it writes and held as an ``flock`` on ``.owner-<token>.lock`` in the
+folder. The size bound counts, and eviction removes, only the files this
+tier *owns*: those it wrote, and those whose owner is gone (no lock file, or
+one nobody holds: a stopped or killed server, whose files the next start
+adopts). Another live server's files are indexed and served but never
+evicted here, so a server with a smaller bound cannot empty a larger one's
+tier; the folder as a whole may hold up to the sum of the live servers'
+bounds.
+
+Safety, also when several processes share ``DIR``:
 
 - a write goes to a temp file that ``os.replace`` renames into place (atomic:
   a reader sees the whole old file, the whole new one, or none);
@@ -30,11 +41,12 @@ The in-memory index answers look-ups with no file I/O (they run on the event
 loop); files are read on the worker's step thread and written on the writer
 thread. Every ``RESCAN_SECONDS`` of idle time the writer re-lists the folder,
 so the index learns other processes' blocks and forgets removed files, and
-the size bound holds for the folder as a whole.
+the size bound holds for this tier's own files.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -60,8 +72,12 @@ log = structlog.get_logger("kvserve.offload")
 MAGIC = b"KVSDISK\0"
 VERSION = 1
 #: Header: magic, version, header bytes, layout key (32), block hash (32),
-#: payload bytes, CRC-32 of the payload; zero-padded to ``HEADER_BYTES``.
+#: payload bytes, CRC-32 of the payload, owner token (8; zeros: written
+#: before owners existed, adopted by whoever scans it); zero-padded to
+#: ``HEADER_BYTES``.
 _HEADER = struct.Struct("<8sII32s32sQI")
+_OWNER = struct.Struct("<8s")
+NO_OWNER = bytes(8)
 HEADER_BYTES = 128
 #: Bytes of blocks the writer queue may hold; a save beyond it is dropped.
 WRITE_QUEUE_BYTES = 256 * 2**20
@@ -71,6 +87,7 @@ RESCAN_SECONDS = 30.0
 STALE_TEMP_SECONDS = 600.0
 _BLOCK_NAME = re.compile(r"^([0-9a-f]{64})\.kv$")
 _TEMP_NAME = re.compile(r"^\.tmp-(\d+)-[0-9a-f]+-[0-9a-f]{64}$")
+_OWNER_NAME = re.compile(r"^\.owner-([0-9a-f]{16})\.lock$")
 
 
 def layout_key(block_shape: Sequence[int], dtype, fingerprint: str) -> bytes:
@@ -83,11 +100,75 @@ def layout_key(block_shape: Sequence[int], dtype, fingerprint: str) -> bytes:
     return hashlib.sha256(text.encode()).digest()
 
 
-def encode_block(key: bytes, block_hash: bytes, payload: bytes) -> bytes:
-    """A block file's header for ``payload`` (``HEADER_BYTES`` bytes)."""
+def encode_block(key: bytes, block_hash: bytes, payload: bytes,
+                 owner: bytes = NO_OWNER) -> bytes:
+    """A block file's header for ``payload`` (``HEADER_BYTES`` bytes),
+    written by the tier whose owner token is ``owner`` (8 bytes)."""
     header = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, key, block_hash, len(payload),
-                          zlib.crc32(payload))
+                          zlib.crc32(payload)) + _OWNER.pack(owner)
     return header.ljust(HEADER_BYTES, b"\0")
+
+
+def owner_of(head: bytes) -> bytes:
+    """The owner token (8 bytes) in a block file's header ``head``."""
+    return _OWNER.unpack_from(head, _HEADER.size)[0]
+
+
+class OwnerLock:
+    """This process's claim on the files it writes in ``folder``: an
+    ``flock`` held on ``.owner-<token>.lock`` until ``release`` (or the
+    process's death: the kernel drops the lock, so a killed server's files
+    become adoptable at once, with no pid to outlive)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.token = secrets.token_bytes(8)
+        self.path = lock_path(folder, self.token)
+        # Locked under a temp name, then renamed: no other tier ever sees the
+        # lock file unheld (it would take it for a dead owner's and remove it).
+        tmp = folder / f".owner-new-{self.token.hex()}"
+        self._fd: int | None = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(self._fd)
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def release(self) -> None:
+        """Give the files up: remove the lock file, then drop the lock."""
+        if self._fd is None:
+            return
+        self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None
+
+
+def lock_path(folder: Path, token: bytes) -> Path:
+    """The lock file of owner ``token`` in ``folder``."""
+    return folder / f".owner-{token.hex()}.lock"
+
+
+def owner_alive(folder: Path, token: bytes) -> bool:
+    """Whether a live tier holds owner ``token``'s lock in ``folder``. A lock
+    file nobody holds (its owner died) is removed; ``NO_OWNER`` is never
+    alive."""
+    if token == NO_OWNER:
+        return False
+    path = lock_path(folder, token)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True  # held: its owner lives
+    else:
+        path.unlink(missing_ok=True)
+        return False
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -137,8 +218,9 @@ class DiskTier:
         dtype: the cache's NumPy dtype (float32, float16, or int8 with the
             scales in the last 4 bytes of each vector).
         fingerprint: the model fingerprint (``KVLayout.fingerprint``).
-        max_bytes: bound of the files' total size (headers included); least
-            recently used files (a read counts as a use) are removed first.
+        max_bytes: bound of the total size (headers included) of the files
+            this tier owns (see the module docstring); least recently used
+            ones (a read counts as a use) are removed first.
 
     Raises ``ValueError`` when not one block fits in ``max_bytes`` and
     ``OSError`` when the folder cannot be made. The constructor scans the
@@ -161,8 +243,12 @@ class DiskTier:
                              f"(one block file is {self.file_bytes:,} bytes)")
         self.folder.mkdir(parents=True, exist_ok=True)
         self._write_layout_note(fingerprint)
+        self.owner = OwnerLock(self.folder)
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        #: Indexed files of other live tiers: block hash -> owner token. Served,
+        #: never evicted here, not counted against ``max_blocks``.
+        self._foreign: dict[bytes, bytes] = {}
         self._leases: dict[bytes, float] = {}  # hash -> monotonic deadline
         self._pending: set[bytes] = set()  # queued for writing
         self.counters = DiskCounters()
@@ -171,7 +257,11 @@ class DiskTier:
         #: Set when every file the scan found has had its checksum checked.
         self.verified = threading.Event()
         self._closing = False
-        self.scan_report = self.scan(verify=not verify_in_background)
+        try:
+            self.scan_report = self.scan(verify=not verify_in_background)
+        except BaseException:
+            self.owner.release()
+            raise
         self._verifier: threading.Thread | None = None
         if verify_in_background and self._to_verify:
             self._verifier = threading.Thread(target=self._verify, name="kvserve-disk-verify",
@@ -238,9 +328,11 @@ class DiskTier:
         file not yet checked."""
         report = ScanReport()
         found: list[tuple[float, bytes]] = []
+        alive: dict[bytes, bool] = {}  # owner token -> holds its lock
+        self._scan_foreign: dict[bytes, bytes] = {}  # files of other live tiers
         for entry in os.scandir(self.folder):
             name, path = entry.name, Path(entry.path)
-            if name == "layout.json" or name.startswith(".note-"):
+            if name == "layout.json" or name.startswith((".note-", ".owner-")):
                 continue
             temp = _TEMP_NAME.match(name)
             if temp is not None:  # a dead writer's, or one far too old (a reused pid)
@@ -268,7 +360,14 @@ class DiskTier:
             if reason is not None:
                 report.remove(path, reason)
                 continue
-            found.append((stat.st_mtime, bytes.fromhex(match.group(1))))
+            block_hash = bytes.fromhex(match.group(1))
+            found.append((stat.st_mtime, block_hash))
+            owner = owner_of(head)
+            if owner != self.owner.token:
+                if owner not in alive:
+                    alive[owner] = owner_alive(self.folder, owner)
+                if alive[owner]:
+                    self._scan_foreign[block_hash] = owner
         found.sort()
         self._to_verify: list[bytes] = [block_hash for _, block_hash in found]
         if verify:
@@ -305,6 +404,8 @@ class DiskTier:
                 if block_hash not in self._index:
                     self._index[block_hash] = None
                     self._index.move_to_end(block_hash, last=False)
+                    if block_hash in self._scan_foreign:
+                        self._foreign[block_hash] = self._scan_foreign[block_hash]
         removed = self._trim()
         with self._lock:
             for reason, n in removed.items():
@@ -344,8 +445,9 @@ class DiskTier:
     def rescan(self) -> None:
         """Re-list the folder: index block files of the right size that other
         processes wrote (as least recently used; their headers are checked
-        when read) and forget files that are gone; then trim. Nothing while
-        the start-up check runs (it would index files not yet checked)."""
+        when read; a live owner's file as foreign), adopt the files of owners
+        that died since, and forget files that are gone; then trim. Nothing
+        while the start-up check runs (it would index files not yet checked)."""
         if not self.verified.is_set():
             return
         try:
@@ -362,13 +464,33 @@ class DiskTier:
         except OSError:
             return
         with self._lock:
+            unseen = [h for h in listed if h not in self._index]
+            owners = dict(self._foreign)
+        for block_hash in unseen:
+            try:
+                with open(self.path_of(block_hash), "rb") as f:
+                    owners[block_hash] = owner_of(f.read(HEADER_BYTES).ljust(HEADER_BYTES,
+                                                                              b"\0"))
+            except OSError:
+                listed.pop(block_hash)  # removed meanwhile
+        alive = {token: token != self.owner.token and owner_alive(self.folder, token)
+                 for token in set(owners.values())}
+        with self._lock:
             for block_hash in [h for h in self._index if h not in listed]:
                 if block_hash not in self._pending:
                     del self._index[block_hash]
+                    self._foreign.pop(block_hash, None)
             new = sorted((t, h) for h, t in listed.items() if h not in self._index)
             for _, block_hash in reversed(new):
                 self._index[block_hash] = None
                 self._index.move_to_end(block_hash, last=False)
+            for block_hash, token in owners.items():
+                if block_hash not in self._index:
+                    continue
+                if alive[token]:
+                    self._foreign[block_hash] = token
+                else:
+                    self._foreign.pop(block_hash, None)  # its owner died: adopted
         self._trim()
 
     # ------------------------------------------------------------- queries
@@ -429,7 +551,7 @@ class DiskTier:
         tmp = self.folder / f".tmp-{os.getpid()}-{secrets.token_hex(4)}-{block_hash.hex()}"
         try:
             with open(tmp, "wb") as f:
-                f.write(encode_block(self.key, block_hash, payload))
+                f.write(encode_block(self.key, block_hash, payload, self.owner.token))
                 f.write(payload)
             os.replace(tmp, self.path_of(block_hash))
         except BaseException:
@@ -438,19 +560,21 @@ class DiskTier:
         with self._lock:
             self._index[block_hash] = None
             self._index.move_to_end(block_hash)
+            self._foreign.pop(block_hash, None)
             _add(self.counters.writes, 1, self.file_bytes, time.perf_counter() - t0)
         self._trim()
 
     def _trim(self) -> dict[str, int]:
-        """Remove least recently used, unleased files until the index holds
-        at most ``max_blocks``. Returns ``{"over_size": n}``."""
+        """Remove least recently used, unleased files of this tier's own
+        until it owns at most ``max_blocks``; other live tiers' files are
+        never touched. Returns ``{"over_size": n}``."""
         now = time.monotonic()
         victims = []
         with self._lock:
-            excess = len(self._index) - self.max_blocks
+            excess = len(self._index) - len(self._foreign) - self.max_blocks
             if excess > 0:
                 for block_hash in self._index:
-                    if self._leases.get(block_hash, 0.0) >= now:
+                    if block_hash in self._foreign or self._leases.get(block_hash, 0.0) >= now:
                         continue
                     victims.append(block_hash)
                     if len(victims) == excess:
@@ -508,6 +632,7 @@ class DiskTier:
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
+        self.owner.release()
 
     # --------------------------------------------------------------- reads
 
@@ -558,6 +683,7 @@ class DiskTier:
     def _forget(self, block_hash: bytes, counter: str) -> None:
         with self._lock:
             self._index.pop(block_hash, None)
+            self._foreign.pop(block_hash, None)
             self._leases.pop(block_hash, None)
             setattr(self.counters, counter, getattr(self.counters, counter) + 1)
 

@@ -23,6 +23,7 @@ from kvserve.config import ModelConfig
 from kvserve.constraints.masks import StructuredOutputs
 from kvserve.core.kv_layout import model_kv_layout
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+from kvserve.distributed.host_tier import BlockLost
 from kvserve.distributed.kv_connector import KVConnector, TransferResult
 from kvserve.model.drafter import DraftProposer
 from kvserve.model.input_batch import BatchInputs, InputBatch
@@ -40,6 +41,13 @@ class KVCacheLost(RuntimeError):
     """The K/V that the scheduler's blocks describe are gone (a pipeline
     stage's process died and Ray restarted it empty): the step fails, and
     the scheduler must forget every cached block (``StepResult.kv_lost``)."""
+
+
+class KVLoadLost(RuntimeError):
+    """A KV block the step was to load from an offload tier is gone or bad
+    (``kvserve.distributed.host_tier.BlockLost``): the step computes
+    nothing, and the scheduler restarts its requests from their prompts
+    (``StepResult.kv_load_lost``) instead of failing them."""
 
 
 @dataclass
@@ -157,14 +165,18 @@ class ModelRunner:
 
         Raises whatever the backend raises, after dropping the state of the
         step's requests (their rows may be half-updated); the worker turns
-        that into a failed step for exactly the requests in it.
+        that into a failed step for exactly the requests in it. A block lost
+        from an offload tier raises ``KVLoadLost`` (the transfers run before
+        the forward pass: nothing was computed).
         """
         try:
             return self._execute(scheduler_output)
-        except Exception:
+        except Exception as exc:
             self._drop_failed(scheduler_output)
             if self.kv_connector is not None:
                 self.kv_connector.poison(scheduler_output.written_block_ids)
+            if isinstance(exc, BlockLost):
+                raise KVLoadLost(str(exc)) from exc
             raise
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -133,6 +133,38 @@ def test_admission_loads_the_blocks_the_tier_holds_after_local_hits():
     assert again.scheduled[0].start_position == 12 and not again.kv_loads
 
 
+def test_a_lost_load_restarts_the_request_and_voids_the_step_in_flight():
+    """Issue 47 item 10: the step loading ``r``'s blocks failed (a block left
+    the tier); ``recompute`` requeues ``r`` from its prompt, the token the
+    step in flight behind it samples is dropped, the loaded blocks' hashes
+    are forgotten (a new request cannot hit them), and ``r`` then loads only
+    what the tier still holds."""
+    prompt = list(range(300, 314))  # 14 tokens: 3 full blocks
+    tier = FakeTier(hashes(prompt, 3))
+    sched = make(tier=tier)
+    sched.add_request(req("r", prompt, max_tokens=3))
+    first = sched.schedule()
+    assert len(first.kv_loads) == 3
+    behind = sched.schedule()  # async: r's decode is in flight behind the failed step
+    assert [s.request_id for s in behind.scheduled] == ["r"]
+    tier.hashes.discard(hashes(prompt, 3)[1])  # lost: the load of block 1 failed
+    events = sched.recompute(["r"], "kv_load_lost")
+    assert [(e.request_id, e.reason) for e in events] == [("r", "kv_load_lost")]
+    assert sched.requests["r"].status is RequestStatus.PREEMPTED
+    assert sched.update_from_output(behind, {"r": [GEN]}) == []  # void: computed from bad K/V
+    assert sched.requests["r"].output_token_ids == []
+    sched.kv_cache_manager.check_consistency()
+    assert not any(sched.kv_cache_manager.pool.get_cached_block(block_hash)
+                   for block_hash in hashes(prompt, 3))  # nothing hits the bad blocks
+    again = sched.schedule()
+    assert [t.block_hash for t in again.kv_loads] == hashes(prompt, 1)  # block 0 only
+    assert again.scheduled[0].start_position == BS and again.scheduled[0].is_new
+    sched.update_from_output(again, {"r": [GEN]})
+    run(sched)
+    assert sched.requests == {}
+    assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.pool.num_usable_blocks
+
+
 def test_the_last_prompt_token_is_computed_even_if_the_tier_holds_its_block():
     prompt = list(range(400, 408))  # exactly 2 full blocks
     tier = FakeTier(hashes(prompt, 2))

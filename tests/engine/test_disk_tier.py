@@ -117,6 +117,70 @@ def test_a_leased_block_is_not_evicted(tmp_path, opened):
     assert t.path_of(h(0)).exists() and not t.path_of(h(1)).exists()
 
 
+def test_a_smaller_tier_never_evicts_a_live_tiers_files(tmp_path, opened):
+    """Issue 47 item 10: two servers share a folder; the one with the smaller
+    bound started second (its scan finds the first's files) and writes past
+    its bound: it evicts only its own files, and serves the first's."""
+    big = opened(tmp_path, blocks=20)
+    for i in range(12):
+        big.write(h(i), block(i))
+    small = opened(tmp_path, blocks=3)
+    assert small.lookup([h(i) for i in range(12)], lease_seconds=-1) == 12  # indexed, served
+    for i in range(100, 110):
+        small.write(h(i), block(i))
+        if i % 4 == 0:
+            small.rescan()
+    for i in range(12):
+        assert big.read(h(i)).tobytes() == block(i).tobytes()
+    assert small.read(h(5)).tobytes() == block(5).tobytes()
+    own = [i for i in range(100, 110) if small.path_of(h(i)).exists()]
+    assert own == [107, 108, 109]  # its bound, least recently used out first
+    big.rescan()  # the big one sees the small one's files as foreign too
+    assert big.lookup([h(109)], lease_seconds=-1) == 1
+    for i in range(12, 40):
+        big.write(h(i), block(i))
+    assert all(small.path_of(h(i)).exists() for i in own)
+    assert sum(big.path_of(h(i)).exists() for i in range(40)) == 20
+
+
+def test_a_stopped_tiers_files_are_adopted_and_bounded(tmp_path, opened):
+    first = tier(tmp_path, blocks=10)
+    for i in range(10):
+        first.write(h(i), block(i))
+    first.close()  # gone: its files belong to whoever scans them next
+    later = opened(tmp_path, blocks=4)
+    assert later.scan_report.blocks == 4
+    assert later.scan_report.removed == {"over_size": 6}
+    assert not list(tmp_path.glob("*/.owner-*"))[1:]  # only the live tier's lock
+
+
+def _hold_a_tier_then_die(path: str, ready, go) -> None:
+    t = tier(path, blocks=10)
+    for i in range(10):
+        t.write(h(i), block(i))
+    ready.set()
+    go.wait(60)
+    os._exit(0)  # killed: no close, the kernel drops the lock
+
+
+def test_a_killed_tiers_files_are_adopted_when_rescanned(tmp_path, opened):
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    ready, go = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_hold_a_tier_then_die, args=(str(tmp_path), ready, go))
+    proc.start()
+    assert ready.wait(120)
+    small = opened(tmp_path, blocks=4)
+    assert small.scan_report.blocks == 10  # alive: all foreign, none evicted
+    small.write(h(50), block(50))
+    assert sum(small.path_of(h(i)).exists() for i in range(10)) == 10
+    go.set()
+    proc.join(60)
+    small.rescan()  # the owner died: its files are this tier's now, bounded
+    assert sum(small.path_of(h(i)).exists() for i in (*range(10), 50)) == 4
+    assert len(list(small.folder.glob(".owner-*.lock"))) == 1
+
+
 def test_the_scan_removes_truncated_foreign_and_other_layout_files(tmp_path, opened):
     t = opened(tmp_path)
     for i in range(5):
@@ -140,8 +204,8 @@ def test_the_scan_removes_truncated_foreign_and_other_layout_files(tmp_path, ope
                                          "stale_temp": 1}
     assert [again.lookup([h(i)]) for i in (0, 1, 2, 3, 9)] == [0, 0, 0, 0, 0]
     assert again.lookup([h(4)]) == 1
-    assert sorted(p.name for p in again.folder.iterdir()) == sorted(["layout.json",
-                                                                     f"{h(4).hex()}.kv"])
+    assert sorted(p.name for p in again.folder.iterdir()) == sorted(
+        ["layout.json", f"{h(4).hex()}.kv", again.owner.path.name])  # the live tier's lock
     assert other.path_of(h(0)).exists()  # another layout's folder is not touched
 
 

@@ -136,3 +136,38 @@ def test_a_2000_token_prefix_survives_a_restart_and_a_corrupt_file_is_skipped(en
         engine_loop.stop(handle)
     verified = [e for e in logs if e["event"] == "kv_offload_disk_verified"]
     assert len(verified) == 1 and verified[0]["removed"] == {"checksum": 1}
+
+
+def test_a_block_lost_between_look_up_and_load_is_recomputed_not_an_error(engine_loop,
+                                                                         tmp_path):
+    """Issue 47 item 10: a block file another process removes after the
+    look-up found it (a smaller server's eviction, a person's ``rm``) fails
+    the load; the request starts again from its prompt (a preemption,
+    reason ``kv_load_lost``), the look-up now stops at the lost block, and
+    the answer is the cold run's, with no error."""
+    from structlog.testing import capture_logs
+
+    from kvserve.core.block_hash import hash_request_blocks
+
+    text = "Lost block. " + TEXTS["long_prefix"]
+    prompt, cold, *_ = _serve(engine_loop, tmp_path, text)
+    handle = engine_loop.start(engine_loop.config(cache=disk_cache(tmp_path)))
+    try:
+        disk = handle.engine.core.runner.kv_connector.disk
+        assert disk.wait_verified(timeout=120)
+        hashes = hash_request_blocks(prompt, BLOCK)
+        lost = 3
+        assert disk.lookup(hashes, lease_seconds=-1) == full_block_tokens(len(prompt)) // BLOCK
+        disk.path_of(hashes[lost]).unlink()  # still indexed: the look-up will find it
+        with capture_logs() as logs, handle.record_steps() as steps:
+            warm = handle.generate(prompt, greedy(MAX_TOKENS)).only
+            handle.wait_idle()
+        assert warm.error is None and warm.token_ids == cold.token_ids
+        preempted = [e for e in logs if e["event"] == "request_preempted"]
+        assert [e["reason"] for e in preempted] == ["kv_load_lost"]
+        loads = [len(s.kv_loads) for s in steps if s.kv_loads]
+        assert loads == [full_block_tokens(len(prompt)) // BLOCK, lost]
+        assert not [e for e in logs if e["event"] == "step_failed"]
+        handle.assert_all_blocks_free()
+    finally:
+        engine_loop.stop(handle)
