@@ -103,3 +103,67 @@ def test_ray_init_keeps_the_servers_signal_handlers(monkeypatch):
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def test_ray_starts_with_its_memory_monitor_off_unless_the_user_set_it(monkeypatch):
+    """Issue 47, item 11: Ray's memory monitor killed replicas and stages on a
+    busy host; a local Ray started by kvserve runs without it, and a value
+    the user put in the environment is kept."""
+    import os
+    import sys
+    import types
+
+    from kvserve.distributed import ray_start
+
+    seen = {}
+    fake = types.ModuleType("ray")
+    fake.is_initialized = lambda: False
+    fake.init = lambda **kwargs: seen.update(os.environ)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(ray_start, "ray_init_address", lambda explicit: None)
+    monkeypatch.delenv("RAY_memory_monitor_refresh_ms", raising=False)
+    ray_start.start_ray(None)
+    assert seen["RAY_memory_monitor_refresh_ms"] == "0"
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "250")
+    ray_start.start_ray(None)
+    assert seen["RAY_memory_monitor_refresh_ms"] == "250"
+
+
+class _Died(Exception):
+    """Stands in for Ray's ``RayActorError``."""
+
+
+class _Replica:
+    """A replica handle whose process dies during the first ``deaths`` starts."""
+
+    def __init__(self, deaths: int) -> None:
+        self.deaths = deaths
+        self.starts = 0
+        self.start = self  # ``replica.start.remote()``
+
+    async def remote(self):
+        self.starts += 1
+        if self.starts <= self.deaths:
+            raise _Died("The actor died unexpectedly before finishing this task.\nmore")
+        return {"num_kv_tokens": 64}
+
+
+def test_a_replica_killed_during_start_up_is_started_again():
+    """Issue 47, item 11: a replica killed while it loads (Ray restarts its
+    process) is started again, with a log line, instead of the whole
+    server exiting with a traceback; one that keeps dying is one line."""
+    import asyncio
+
+    from kvserve.distributed.client import start_replica
+
+    replica = _Replica(deaths=2)
+    with capture_logs() as logs:
+        info = asyncio.run(start_replica(replica, 1, _Died, tries=3))
+    assert info == {"num_kv_tokens": 64} and replica.starts == 3
+    assert [(e["event"], e["attempt"]) for e in logs] == [("replica_restarted", 1),
+                                                          ("replica_restarted", 2)]
+    assert logs[0]["error"] == "The actor died unexpectedly before finishing this task."
+    with pytest.raises(RuntimeError, match=r"^replica 0 died during start-up 3 times \(last: "
+                       r"The actor died unexpectedly before finishing this task\.\); is the "
+                       r"machine out of memory\?$"):
+        asyncio.run(start_replica(_Replica(deaths=5), 0, _Died, tries=3))

@@ -980,6 +980,19 @@ MUTANTS_RAY_START = (
            (('if named == "local" or answers(named, timeout):', "if True:"),),
            ("tests/test_ray_start.py",),
            "a --ray-address nothing answers at is passed to ray.init instead of one line, exit 2"),
+    Mutant("ray_replica_start_not_retried", "distributed/client.py",
+           (("            if attempt == tries:", "            if True:"),),
+           ("tests/test_ray_start.py",),
+           "a replica killed during start-up (Ray restarts it) ends the server's start"),
+    Mutant("ray_memory_monitor_left_on", "distributed/ray_start.py",
+           ((', "RAY_memory_monitor_refresh_ms": "0"}', "}"),),
+           ("tests/test_ray_start.py",),
+           "Ray's memory monitor kills replicas and stages when the host is busy"),
+    Mutant("tp_sweep_removes_live_segments", "distributed/tensor_parallel.py",
+           (("        if match is None or _pid_alive(int(match.group(1))):",
+             "        if match is None:"),),
+           ("tests/model/test_tensor_parallel.py",),
+           "the start-up sweep unlinks a live server's all-reduce segment"),
 )
 
 MUTANTS_CONSTRAINT_WATCHDOG = (

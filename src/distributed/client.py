@@ -57,6 +57,32 @@ POLL_INTERVAL = 0.05
 #: Seconds the replicas together have to load their engines (the default
 #: model's first start: fetch, convert, compile) before the start fails.
 REPLICA_START_SECONDS = 900.0
+#: Starts of one replica whose process dies during start-up (Ray restarts
+#: it: ``max_restarts=-1``) before the server's start fails.
+REPLICA_START_TRIES = 3
+
+
+async def start_replica(replica, index: int, died: type[BaseException],
+                        tries: int = REPLICA_START_TRIES) -> dict:
+    """Start one replica's engine (``EngineReplica.start``); its info.
+
+    A replica whose process dies meanwhile (``died``: Ray's
+    ``RayActorError``; the out-of-memory killer, a ``kill``) is started
+    again in the process Ray restarts, up to ``tries`` starts in all,
+    logging ``replica_restarted`` each time. Raises ``RuntimeError`` (one
+    line naming the replica and the last error) when every start died."""
+    for attempt in range(1, tries + 1):
+        try:
+            return await replica.start.remote()
+        except died as exc:
+            error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            if attempt == tries:
+                raise RuntimeError(f"replica {index} died during start-up {tries} times "
+                                   f"(last: {error}); is the machine out of memory?") from None
+            log.warning("replica_restarted", replica=index, attempt=attempt, error=error,
+                        message=f"Replica {index} died during start-up ({error}); starting it "
+                                f"again ({attempt + 1} of {tries})")
+    raise AssertionError("unreachable")
 #: ``--data-parallel-routing``: ``prefix`` (``kvserve.core.router``) or
 #: ``round_robin`` (the baseline it is measured against).
 ROUTING_POLICIES = ("prefix", "round_robin")
@@ -126,8 +152,9 @@ class DataParallelClient:
                     for i in range(num_replicas)]
         t0 = time.monotonic()
         try:
-            infos = await asyncio.wait_for(asyncio.gather(*(r.start.remote() for r in replicas)),
-                                           REPLICA_START_SECONDS)
+            infos = await asyncio.wait_for(asyncio.gather(*(
+                start_replica(r, i, ray.exceptions.RayActorError)
+                for i, r in enumerate(replicas))), REPLICA_START_SECONDS)
         except asyncio.TimeoutError:
             raise RuntimeError(f"{num_replicas} engine replicas did not start within "
                                f"{REPLICA_START_SECONDS:g} s (see the replicas' log lines)"

@@ -117,6 +117,9 @@ class PipelineExecutor:
         self.num_threads = threads
         per_worker = min(float(threads), cpus / world)  # Ray's share: all fit on this machine
         self._id = uuid.uuid4().hex[:8]
+        if self.tp > 1:  # segments a killed server left in /dev/shm
+            from kvserve.distributed.tensor_parallel import remove_stale_segments
+            remove_stale_segments()
         self._group_names: dict[int, str] = {}
         self._generation = 0
         t0 = time.monotonic()
@@ -166,11 +169,11 @@ class PipelineExecutor:
         """(Re)join the stage's workers in a new all-reduce segment (T > 1)."""
         if self.tp == 1:
             return
-        from kvserve.distributed.tensor_parallel import unlink_segment
+        from kvserve.distributed.tensor_parallel import segment_name, unlink_segment
 
         old = self._group_names.get(stage)
         self._generation += 1
-        name = f"kvserve-tp-{self._id}-{stage}-{self._generation}"
+        name = segment_name(self._id, stage, self._generation)
         workers = self.workers[stage]
         self._ray.get([w.join_group.remote(name, rank == 0) for rank, w in enumerate(workers)],
                       timeout=STAGE_START_SECONDS)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 import time
 from multiprocessing import resource_tracker, shared_memory
@@ -37,6 +38,7 @@ import numpy as np
 
 from kvserve.config import ModelConfig
 from kvserve.core.parallel import HeadShard
+from kvserve.distributed.host_tier import _pid_alive
 from kvserve.model.ggml_blocks import BlockQuantizedWeight
 
 # --------------------------------------------------------------------------- #
@@ -411,3 +413,42 @@ def unlink_segment(name: str) -> None:
         _posixshmem.shm_unlink("/" + name.lstrip("/"))
     except FileNotFoundError:
         pass
+
+
+#: An all-reduce segment's name: the pid of the API process that formed the
+#: group (it unlinks the segment when the group ends), then the group's id,
+#: stage and generation (``kvserve.distributed.pipeline``).
+_SEGMENT_NAME = re.compile(r"^kvserve-tp-(\d+)-[0-9a-f]+-\d+-\d+$")
+
+
+def segment_name(group_id: str, stage: int, generation: int) -> str:
+    """The segment name of a stage's all-reduce group formed by this process."""
+    return f"kvserve-tp-{os.getpid()}-{group_id}-{stage}-{generation}"
+
+
+def remove_stale_segments(directory: str = "/dev/shm") -> list[str]:
+    """Unlink the all-reduce segments whose API process is gone (killed, or
+    stopped before it could unlink them: issue 47, item 11); logs
+    ``stale_tp_segments_removed``. Returns the names removed. A segment of
+    a live process, or of a name this module did not make, is left alone;
+    nothing where ``directory`` does not exist."""
+    import structlog
+
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _SEGMENT_NAME.match(name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        unlink_segment(name)
+        removed.append(name)
+    if removed:
+        structlog.get_logger("kvserve.parallel").info(
+            "stale_tp_segments_removed", names=removed,
+            message=f"Removed {len(removed)} tensor-parallel all-reduce segment(s) of stopped "
+                    "servers from /dev/shm")
+    return removed
+

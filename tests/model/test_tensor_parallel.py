@@ -373,3 +373,32 @@ def test_a_rank_a_call_ahead_leaves_the_slow_rank_its_data():
         return first.tolist(), second.tolist()
 
     assert on_ranks(2, work) == [([3.0] * 4, [30.0] * 6)] * 2
+
+
+def test_segments_of_a_killed_server_are_removed_at_the_next_start():
+    """Issue 47, item 11: an all-reduce segment outlives a killed API process
+    in /dev/shm; the next tensor-parallel start removes the segments whose
+    forming process is gone, and leaves a live one's (and names it did not
+    make) alone."""
+    import subprocess
+    import sys
+
+    from kvserve.distributed.tensor_parallel import remove_stale_segments, segment_name
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this system")  # POSIX shm lives elsewhere
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    tag = uuid.uuid4().hex[:8]
+    stale = f"kvserve-tp-{dead}-{tag}-0-1"
+    live = segment_name(tag, 1, 1)
+    other = f"kvserve-tp-notours-{tag}"
+    groups = [ShmAllReduce.create(name, 1, 4) for name in (stale, live, other)]
+    try:
+        assert stale in remove_stale_segments()
+        names = os.listdir("/dev/shm")
+        assert stale not in names and live in names and other in names
+    finally:
+        for group in groups:
+            group.unlink()  # idempotent; the stale one is gone already
+            group.close()
