@@ -45,11 +45,11 @@ RAY_LOG_ENV = {"RAY_DISABLE_WORKER_LOG_PREFIX": "1", "RAY_COLOR_PREFIX": "0",
 #: compute, so they run at the server's own priority (Ray's job manager sets
 #: 0 for its jobs too). A value in the environment is kept.
 #: Ray's memory monitor kills the newest retriable worker whenever the node
-#: passes its memory threshold (``memory_usage_threshold``, 0.95 by default), whoever used it: on a busy host that was a replica
-#: or a pipeline stage, i.e. the server itself (issue 47, item 11). kvserve
-#: sizes its KV cache from free memory at start-up; the kernel's
-#: out-of-memory killer still guards the machine. A value in the
-#: environment is kept.
+#: passes its memory threshold (``memory_usage_threshold``, 0.95 by
+#: default), whoever used it: on a busy host that was a replica or a
+#: pipeline stage, i.e. the server itself (issue 47, item 11). kvserve sizes
+#: its KV cache from free memory at start-up; the kernel's out-of-memory
+#: killer still guards the machine. A value in the environment is kept.
 RAY_WORKER_ENV = {"RAY_worker_niceness": "0", "RAY_memory_monitor_refresh_ms": "0"}
 #: Seconds a named or recorded cluster has to accept a TCP connect.
 PROBE_SECONDS = 3.0
