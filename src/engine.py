@@ -262,12 +262,14 @@ class AsyncEngine:
 
     def health(self) -> dict:
         """``/health``'s body while ready: ``{"status": "ok"}``, or
-        ``"degraded"`` with ``pipeline_stages_down`` while a pipeline stage
-        does not answer (Ray restarts it; ``kvserve.distributed.pipeline``)."""
+        ``"unavailable"`` with ``pipeline_stages_down`` while a pipeline stage
+        does not answer (Ray restarts it; ``kvserve.distributed.pipeline``):
+        every step needs every stage, so none can run meanwhile (``/health``
+        answers 503; requests wait for the stage)."""
         executor = getattr(self.core.runner, "executor", None)
         down = sorted(executor.down) if executor is not None else []
         if down:
-            return {"status": "degraded", "pipeline_stages_down": down}
+            return {"status": "unavailable", "pipeline_stages_down": down}
         return {"status": "ok"}
 
     # ------------------------------------------------------------ requests

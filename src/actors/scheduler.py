@@ -34,6 +34,10 @@ from kvserve.core.stall import EngineHealth, StallWatch
 from kvserve.core.stats import StepTimes
 from kvserve.core.step_budget import StepBudget
 
+#: Times one request may start again because its K/V were lost (a pipeline
+#: stage restarted, an offload-tier block vanished) before it fails instead.
+MAX_KV_RESTARTS = 3
+
 
 @dataclass(frozen=True)
 class _InFlight:
@@ -284,12 +288,13 @@ class SchedulerActor(Actor):
         runner_output = result.runner_output
         self.stall.on_step(time.monotonic())
         spec = None
-        if result.error is not None and result.kv_load_lost:
-            self._recompute_step(output, result.error)
-        elif result.error is not None:
-            self._fail_step(output, result.error)
+        if result.error is not None and (result.kv_load_lost or result.kv_lost):
+            # K/V gone, not a fault of the requests': they start again
+            self._recompute_step(output, result.error, everyone=result.kv_lost)
             if result.kv_lost:
                 self._drop_kv(result.error)
+        elif result.error is not None:
+            self._fail_step(output, result.error)
         else:
             if result.kv_lost:
                 self._drop_kv(None)
@@ -357,24 +362,19 @@ class SchedulerActor(Actor):
         return self._num_queued + self.core.num_staged
 
     def _drop_kv(self, error: str | None) -> None:
-        """The worker lost the K/V of the cache (a pipeline stage restarted):
-        after a failed step (``error``), fail every running request with
-        its error, since their K/V is gone; then forget every cached block
-        but those of running requests (a step that found the loss and ran
-        only fresh prompts wrote theirs anew), so no later request reads a
-        lost block through a prefix-cache hit. Logs ``kv_cache_lost``."""
-        core = self.core
-        failed = [r.request_id for r in core.running] if error is not None else []
-        if failed:
-            self._emit(core.finish_requests(failed, RequestStatus.FINISHED_ERROR), error=error)
-        manager = core.kv_cache_manager
-        held = {b for r in core.running for b in manager.get_block_ids(r.request_id)}
+        """The worker lost the K/V of the cache (a pipeline stage restarted;
+        after a failed step, ``error``, whose requests and every other
+        running one ``_recompute_step`` restarted): forget every cached
+        block but those of running requests (a step that found the loss and
+        ran only fresh prompts wrote theirs anew), so no later request reads
+        a lost block through a prefix-cache hit. Logs ``kv_cache_lost``."""
+        manager = self.core.kv_cache_manager
+        held = {b for r in self.core.running for b in manager.get_block_ids(r.request_id)}
         manager.evict_hashes(b for b in range(manager.pool.num_blocks) if b not in held)
-        self.log.error("kv_cache_lost", failed_request_ids=failed, error=error,
+        self.log.error("kv_cache_lost", error=error,
                        message="The worker lost its KV cache (a pipeline stage restarted): "
                                "every cached block forgotten"
-                               + (f", {len(failed)} more running request(s) failed"
-                                  if failed else ""))
+                               + (", the running requests start again" if error else ""))
 
     def _fail_step(self, output: SchedulerOutput, error: str) -> None:
         """A step raised: fail its requests, and those of the step in flight
@@ -389,27 +389,43 @@ class SchedulerActor(Actor):
         self.log.error("step_failed", step_id=output.step_id, error=error, request_ids=list(ids))
         self._emit(updates, error=error)
 
-    def _recompute_step(self, output: SchedulerOutput, error: str) -> None:
-        """A step could not load a block from an offload tier (nothing was
-        computed): restart its requests from their prompts, with those of
-        the steps in flight behind it that read its blocks through a
-        prefix-cache hit (the tier's look-up now misses the lost block, so
-        they recompute it); forget the hashes of the blocks it was writing.
-        Logs ``request_preempted`` (reason ``kv_load_lost``) for each."""
-        self.core.kv_cache_manager.evict_hashes(output.written_block_ids)
-        ids = tuple(r.request_id for r in output.scheduled)
-        ids += tuple(rid for later in self._in_flight
-                     for rid in _hits_on(later.output, output.written_block_ids,
-                                         self.core.block_size))
-        for event in self.core.recompute(ids, "kv_load_lost"):
+    def _recompute_step(self, output: SchedulerOutput, error: str, everyone: bool) -> None:
+        """A step lost K/V that its requests needed, through no fault of
+        theirs: a block to load from an offload tier was gone (nothing was
+        computed), or, ``everyone``, the worker lost its whole cache (a
+        pipeline stage restarted: every running request's K/V is gone).
+        Restart them from their prompts (reason ``kv_load_lost`` or
+        ``kv_cache_lost``), with those of the steps in flight behind it that
+        read its blocks through a prefix-cache hit (the tier's look-up now
+        misses the lost block, so they recompute it); forget the hashes of
+        the blocks it was writing. A request restarted so
+        ``MAX_KV_RESTARTS`` times already fails with ``error`` instead (a
+        stage that dies at every step must not hold it forever). Logs
+        ``request_preempted`` for each restarted."""
+        core = self.core
+        core.kv_cache_manager.evict_hashes(output.written_block_ids)
+        ids = [r.request_id for r in output.scheduled]
+        ids += [rid for later in self._in_flight
+                for rid in _hits_on(later.output, output.written_block_ids, core.block_size)]
+        if everyone:
+            ids += [r.request_id for r in core.running]
+        ids = list(dict.fromkeys(ids))
+        spent = [rid for rid in ids if (r := core.get_request(rid)) is not None
+                 and r.num_kv_restarts >= MAX_KV_RESTARTS]
+        if spent:
+            self._emit(core.finish_requests(spent, RequestStatus.FINISHED_ERROR),
+                       error=f"{error} (its K/V was lost {MAX_KV_RESTARTS + 1} times)")
+        reason = "kv_cache_lost" if everyone else "kv_load_lost"
+        lost = ("the worker lost its KV cache" if everyone
+                else "a KV block it was to load from the offload tier was lost")
+        for event in core.recompute([rid for rid in ids if rid not in spent], reason):
             self.total_preemptions += 1
             self.log.warning(
                 "request_preempted", request_id=event.request_id, reason=event.reason,
                 num_blocks_freed=event.num_blocks_freed, total_preemptions=self.total_preemptions,
                 error=error,
-                message=f"Request {event.request_id} preempted (recompute): a KV block it was "
-                        f"to load from the offload tier was lost ({error}); it starts again "
-                        "from its prompt")
+                message=f"Request {event.request_id} preempted (recompute): {lost} ({error}); "
+                        "it starts again from its prompt")
 
     def _emit(self, updates: list[RequestUpdate] | tuple[RequestUpdate, ...],
               logprobs: dict | None = None, error: str | None = None,

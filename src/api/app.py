@@ -244,15 +244,19 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
 
     async def health(request: Request) -> Response:
         """``GET /health``: 200 when the engine is ready (``degraded``, with
-        the replicas down, while a data-parallel replica restarts), else 503
-        saying why: the engine failed, is not ready, is stalled (requests
-        running or waiting and no step finished for ``--stall-timeout``
-        seconds: ``kvserve.core.stall``) or did not answer the check."""
+        the replicas down, while a data-parallel replica restarts and others
+        serve), else 503 saying why: the engine failed, is not ready, is
+        stalled (requests running or waiting and no step finished for
+        ``--stall-timeout`` seconds: ``kvserve.core.stall``), did not answer
+        the check, or cannot compute now (``unavailable``: every replica, or
+        a pipeline stage, is down; the body names them)."""
         if engine.is_ready():
             stalled = await _stall_reason(engine)
             if stalled is None:
                 status = getattr(engine, "health", None)
-                return JSONResponse(status() if status is not None else {"status": "ok"})
+                body = status() if status is not None else {"status": "ok"}
+                return JSONResponse(body, status_code=503 if body.get("status") == "unavailable"
+                                    else 200)
             message = f"The engine is stalled: {stalled}"
         else:
             reason = getattr(engine, "dead_reason", None)

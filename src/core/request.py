@@ -90,7 +90,8 @@ class Request:
     - ``num_preemptions``: times preempted (by recompute).
     - ``outputs_void_through``: the last step id whose results for it are
       void (its K/V were lost and it restarts from its prompt:
-      ``Scheduler.recompute``); -1 when none.
+      ``Scheduler.recompute``); -1 when none. ``num_kv_restarts``: such
+      restarts so far.
     - ``block_hashes``: prefix-cache hashes of the full blocks of
       ``all_token_ids``, extended incrementally by the KV cache manager.
     - ``stop_reason``: the stop token id that finished it, if any.
@@ -123,6 +124,7 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.outputs_void_through = -1
+        self.num_kv_restarts = 0
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | None = None
         self.error: str | None = None

@@ -560,6 +560,7 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.num_output_placeholders = 0
             request.outputs_void_through = self._step_id - 1  # the last step scheduled
+            request.num_kv_restarts += 1
             if request.spec is not None:
                 request.spec.draft_token_ids = []
             request.num_preemptions += 1

@@ -23,12 +23,15 @@ stages two micro-batches are in flight, not P.
 A stage whose process dies: Ray restarts it (``max_restarts=-1``) with an
 empty KV cache. The steps that reach the dead or the new process fail with
 ``KVCacheLost`` (the stage checks the incarnation it is sent,
-``pipeline_stage``); the scheduler then fails the running requests with a
-clear error and forgets every cached block (``StepResult.kv_lost``). A
-watcher thread pings the stages every ``WATCH_INTERVAL`` seconds, so that
-``/health`` says ``degraded`` while one is down and a restart noticed
-while idle costs no request: the next step runs if none of its requests
-reads cached K/V, and tells the scheduler to forget the cache.
+``pipeline_stage``); the scheduler then restarts the running requests from
+their prompts (a preemption by recompute, reason ``kv_cache_lost``; a
+request that loses its K/V at every try fails after a few) and forgets
+every cached block (``StepResult.kv_lost``). A watcher thread pings the
+stages every ``WATCH_INTERVAL`` seconds in their ``health`` concurrency
+group (beside their compute calls, not behind them), so that ``/health``
+answers 503 ``unavailable`` while one is down, and a restart noticed while
+idle costs no request: the next step runs if none of its requests reads
+cached K/V, and tells the scheduler to forget the cache.
 """
 
 from __future__ import annotations
@@ -56,8 +59,13 @@ STAGE_START_SECONDS = 900.0
 #: Seconds between two pings of the stages (the watcher thread).
 WATCH_INTERVAL = 1.0
 #: Seconds a ping may take before the stage counts as down (a restarting
-#: stage takes longer: it loads its weights first).
+#: stage takes longer: it loads its weights first). A ping runs in the
+#: stage's ``health`` concurrency group, beside its compute calls, never
+#: queued behind them (a busy stage is not a dead one).
 PING_SECONDS = 1.0
+#: Ray concurrency groups of a stage actor: its calls run one at a time in
+#: order (the default group), pings in a thread of their own.
+STAGE_CONCURRENCY_GROUPS = {"health": 1}
 #: Seconds a step waits for a restarting stage before it fails.
 RESTART_WAIT_SECONDS = 600.0
 
@@ -141,6 +149,7 @@ class PipelineExecutor:
                       for (s, r), d in zip(keys, infos)]
         self._incarnations = {(i.index, i.tp_rank): i.incarnation for i in self.infos}
         self._lock = threading.Lock()
+        self._ping_lock = threading.Lock()
         #: Stages with a worker that did not answer the last ping, or whose
         #: TP group is being formed again (``/health``: degraded).
         self.down: frozenset[int] = frozenset()
@@ -158,7 +167,8 @@ class PipelineExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         group = placement_group([{"CPU": cpus}] * self.tp, strategy="STRICT_PACK")
-        actor = self._ray.remote(max_restarts=-1, max_task_retries=0)(PipelineStage)
+        actor = self._ray.remote(max_restarts=-1, max_task_retries=0,
+                                 concurrency_groups=STAGE_CONCURRENCY_GROUPS)(PipelineStage)
         return [actor.options(num_cpus=cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=rank)).remote(
                     config, stage, (layers.start, layers.stop), num_blocks, block_size,
@@ -259,9 +269,17 @@ class PipelineExecutor:
         """Ping every worker: the down stages, new incarnations adopted, and
         a stage whose TP worker restarted restarted whole and regrouped
         (its survivors' all-reduce is out of step)."""
+        with self._ping_lock:  # the watcher's and a failed step's pings, in turn
+            self._ping_all_locked()
+
+    def _ping(self, worker):
+        """A worker's ``info`` call in its ``health`` group (not behind compute)."""
+        return worker.info.options(concurrency_group="health").remote()
+
+    def _ping_all_locked(self) -> None:
         ray = self._ray
         keys = [(s, r) for s in range(len(self.workers)) for r in range(self.tp)]
-        refs = [self.workers[s][r].info.remote() for s, r in keys]
+        refs = [self._ping(self.workers[s][r]) for s, r in keys]
         down: set[int] = set()
         grouped: set[tuple[int, int]] = set()  # workers in their stage's group
         regroup: set[tuple[int, int]] = set()  # restarted TP workers, in no group yet
@@ -304,7 +322,7 @@ class PipelineExecutor:
                 if r in infos:
                     continue
                 try:  # a worker being restarted answers with an error for a while
-                    info = ray.get(worker.info.remote(), timeout=PING_SECONDS)
+                    info = ray.get(self._ping(worker), timeout=PING_SECONDS)
                 except Exception:  # noqa: BLE001
                     continue
                 if info["incarnation"] not in stale:

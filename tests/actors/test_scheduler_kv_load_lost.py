@@ -9,7 +9,8 @@ from itertools import takewhile
 
 from structlog.testing import capture_logs
 
-from kvserve.actors.messages import CapacityReport, ExecuteStep, StepResult, TokenDelta
+from kvserve.actors.messages import (CapacityReport, ExecuteStep, ReleaseRequests, StepResult,
+                                     TokenDelta)
 from kvserve.actors.scheduler import SchedulerActor
 from kvserve.config import SchedulerConfig
 from kvserve.core.block_hash import hash_request_blocks
@@ -79,3 +80,39 @@ def test_any_other_failed_step_fails_its_requests():
                                      "RuntimeError: boom"))
     (delta,) = [m for m in detok.received if isinstance(m, TokenDelta) and m.finish_reason]
     assert delta.request_id == "r" and delta.error == "RuntimeError: boom"
+
+
+def _lose_the_cache(actor, step) -> None:
+    actor._on_step_result(StepResult(step.step_id, step.scheduler_output, None, 0.0, 0.0,
+                                     "KVCacheLost: pipeline stage [1] failed", kv_lost=True))
+
+
+def test_a_lost_cache_restarts_every_running_request_until_it_keeps_failing():
+    """Issue 47 item 8: a pipeline stage that restarted took the K/V of every
+    running request; they start again (reason ``kv_cache_lost``) instead of
+    ending with a 500, and a request whose K/V is lost at every try fails
+    after ``MAX_KV_RESTARTS`` restarts with the error."""
+    from kvserve.actors.scheduler import MAX_KV_RESTARTS
+
+    prompt = list(range(100, 112))
+    actor, core, (worker, detok, admission, _), step = _actor(prompt)
+    for restart in range(MAX_KV_RESTARTS + 1):
+        with capture_logs() as logs:
+            _lose_the_cache(actor, step)
+        finished = [m for m in detok.received if isinstance(m, TokenDelta) and m.finish_reason]
+        if restart < MAX_KV_RESTARTS:
+            assert not finished
+            (report,) = [m for m in admission.received[-1:] if m.returned]
+            assert [r.request_id for r in report.returned] == ["r"]
+            assert [e["reason"] for e in logs if e["event"] == "request_preempted"] == [
+                "kv_cache_lost"]
+            actor._on_release(ReleaseRequests(report.returned, 0, answer=True))  # admission's
+            actor._in_flight.clear()  # the step behind it: void, and not waited for here
+            worker.received.clear()
+            actor._maybe_launch_step()
+            step = worker.received[0]
+        else:
+            (delta,) = finished
+            assert delta.request_id == "r" and delta.error.startswith("KVCacheLost")
+            assert f"lost {MAX_KV_RESTARTS + 1} times" in delta.error
+    assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_usable_blocks

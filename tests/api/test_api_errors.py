@@ -213,3 +213,18 @@ async def test_bearer_scheme_is_case_insensitive(auth_client_factory):
         for value in ("Bearer SEKRET", "Basic sekret", "Bearersekret", "sekret", "Bearer  sekret"):
             r = await c.get("/v1/models", headers={"Authorization": value})
             assert_error(r, 401)
+
+
+@pytest.mark.parametrize("body, status", [
+    ({"status": "ok"}, 200),
+    ({"status": "degraded", "replicas_down": [1]}, 200),  # the other replicas serve
+    ({"status": "unavailable", "pipeline_stages_down": [1]}, 503),  # no step can run
+    ({"status": "unavailable", "replicas_down": [0, 1]}, 503),
+])
+async def test_health_is_503_when_the_engine_cannot_compute(client, engine, monkeypatch, body,
+                                                            status):
+    """Issue 47 item 8: a pipeline with a stage down (or every replica down)
+    answered 200 while no request could run; a load balancer must see 503."""
+    monkeypatch.setattr(engine, "health", lambda: body, raising=False)
+    r = await client.get("/health")
+    assert (r.status_code, r.json()) == (status, body)

@@ -2,9 +2,10 @@
 ``--pipeline-parallel-size 2``, ``--tensor-parallel-size 2`` (the default
 model's 3 KV heads split 1 + 2 over the two workers) and both (four
 workers) on a local Ray serves the golden prompts with the outputs of one
-process; a stage's process killed mid-stream fails the requests in flight
-with a clear error, ``/health`` says ``degraded`` while Ray restarts it,
-and the same server serves again.
+process; a stage's process killed mid-stream restarts the requests in
+flight from their prompts (issue 47 item 8: no 500), ``/health`` answers
+503 ``unavailable`` while Ray restarts it, and the same server serves
+again.
 
 Every worker runs one CPU thread (on the 2-core machine: -pp 2 and -tp 2
 one core each, -tp 2 -pp 2 four workers on two cores); the reference is
@@ -111,7 +112,8 @@ def _stream_then_kill(server: LiveServer, pid: int) -> tuple[list[dict], list[st
             watcher = None
             async with client.stream("POST", "/v1/completions", json={
                     "prompt": "Tell a long tale of a lighthouse keeper", "max_tokens": 400,
-                    "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+                    "temperature": 0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}) as r:
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -121,7 +123,7 @@ def _stream_then_kill(server: LiveServer, pid: int) -> tuple[list[dict], list[st
                         watcher = asyncio.create_task(watch(stop))
             deadline = time.monotonic() + HANG_DEADLINE_S  # a hang deadline
             while time.monotonic() < deadline and (not statuses or statuses[-1] != "ok"
-                                                   or "degraded" not in statuses):
+                                                   or "http 503" not in statuses):
                 await asyncio.sleep(0.1)
             stop.set()
             if watcher is not None:
@@ -131,16 +133,18 @@ def _stream_then_kill(server: LiveServer, pid: int) -> tuple[list[dict], list[st
     return asyncio.run(run())
 
 
-def test_a_killed_stage_fails_its_requests_and_the_server_serves_again(pp_server):
-    """Last in the module: it kills stage 1's process."""
+def test_a_killed_stage_restarts_its_requests_and_the_server_serves_again(pp_server):
+    """Last in the module: it kills stage 1's process. The stream in flight
+    pauses and ends whole (its request started again from its prompt once
+    Ray restarted the stage); ``/health`` said 503 meanwhile."""
     (stage,) = [e for e in pp_server.log_events("pipeline_stage") if e["stage"] == 1]
     events, statuses = _stream_then_kill(pp_server, stage["pid"])
-    errors = [e["error"] for e in events if "error" in e]
-    assert len(errors) == 1, events[-3:]
-    assert "pipeline stage" in errors[0]["message"] and "KV cache" in errors[0]["message"]
+    assert not [e for e in events if "error" in e], events[-3:]
     tokens = [e for e in events if e.get("choices")]
-    assert 5 <= len(tokens) < 400
-    assert "degraded" in statuses and statuses[-1] == "ok", (statuses, os.getloadavg())
+    assert tokens[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 400
+    assert "http 503" in statuses and statuses[-1] == "ok", (statuses, os.getloadavg())
+    assert "degraded" not in statuses  # a pipeline with a stage down cannot compute at all
     restarted = pp_server.log_events("pipeline_stage_restarted")
     assert [e["stage"] for e in restarted] == [1] and restarted[0]["pid"] != stage["pid"]
     pp_server.assert_alive()  # the server itself never restarted
@@ -149,6 +153,8 @@ def test_a_killed_stage_fails_its_requests_and_the_server_serves_again(pp_server
                                                         "max_tokens": 6, "temperature": 0})
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 6
-    (failed,) = [e for e in pp_server.log_events("step_failed") if "request_ids" in e]
-    assert "KVCacheLost" in failed["error"] and failed["request_ids"]
+    preempted = [e for e in pp_server.log_events("request_preempted")
+                 if e.get("reason") == "kv_cache_lost"]
+    assert preempted and "KVCacheLost" in preempted[0]["error"]
+    assert not [e for e in pp_server.log_events("step_failed") if "request_ids" in e]
     assert pp_server.log_events("kv_cache_lost")  # the prefix cache forgotten
