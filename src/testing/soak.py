@@ -26,7 +26,11 @@ between chunks; and three hostile kinds, a few percent each:
   header first) whose body hides a ``GET /v1/models``. Everything up to the
   server's close must be exactly one response, a 400;
 - ``flood``: a chat of more messages than ``max_model_len`` tokens can hold
-  (``max_model_len`` + 1..1000, sometimes 20,000; under 1 MB of JSON): a 400.
+  (``max_model_len`` + 1..1000, sometimes 20,000; under 1 MB of JSON): a 400;
+- ``samples`` (issue 47's request kinds): ``n_echo``, a completion of n =
+  2-4 samples with ``echo`` and ``logprobs`` (one prompt pass for all: item
+  4), and ``min_tokens_grammar``, a chat whose boolean schema is done
+  before its ``min_tokens`` (it must stop, not pad: item 5); both complete.
 
 A probe stream runs throughout; its inter-token latencies (ITL) are
 reported as p50/p99. Kinds that need ``max_model_len`` (``oversized``,
@@ -94,7 +98,7 @@ FAILURES = frozenset({"5xx", "transport_error", "timeout", "unexpected_4xx", "un
 #: Default traffic mix (relative weights of the request kinds).
 DEFAULT_MIX = {"stream": 0.3, "plain": 0.2, "disconnect": 0.1, "bad": 0.15, "burst": 0.05,
                "oversized": 0.05, "slow": 0.15, "constraint": 0.04, "smuggle": 0.03,
-               "flood": 0.03}
+               "flood": 0.03, "samples": 0.03}
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 GAUGES = ("kvserve:num_requests_running", "kvserve:num_requests_waiting",
           "kvserve:kv_cache_usage_perc")
@@ -432,6 +436,21 @@ def flood_plan(rng: random.Random, target: Target) -> Plan | None:
                 body, stream=body["stream"], expect="400")
 
 
+def samples_plan(rng: random.Random, target: Target) -> Plan:
+    """``n_echo`` or ``min_tokens_grammar`` (see the module docstring)."""
+    prompt = synth_text(rng.randint(4, 24), np.random.default_rng(rng.getrandbits(32)))
+    if rng.random() < 0.5:
+        n, tokens = rng.randint(2, 4), rng.randint(2, 6)
+        body = {**_text_body(False, prompt, target.model), "n": n, "echo": True,
+                "logprobs": 1, "max_tokens": tokens, "temperature": 0.7}
+        return Plan("samples", "samples/n_echo", "/v1/completions", body, max_tokens=n * tokens)
+    schema = {"name": "answer", "schema": {"type": "boolean"}}
+    body = {**_text_body(True, prompt, target.model), "max_tokens": 8, "min_tokens": 6,
+            "temperature": 0.0, "response_format": {"type": "json_schema", "json_schema": schema}}
+    return Plan("samples", "samples/min_tokens_grammar", "/v1/chat/completions", body,
+                max_tokens=8)
+
+
 #: The request a smuggling attempt hides in its body; the spellings of
 #: ``Transfer-Encoding`` tried (``(name, value)``).
 SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -495,6 +514,8 @@ def make_plans(kind: str, rng: random.Random, target: Target) -> list[Plan]:
         return [constraint_plan(rng, target)]
     if kind == "smuggle":
         return [smuggle_plan(rng, target)]
+    if kind == "samples":
+        return [samples_plan(rng, target)]
     if kind == "burst":
         return [generation_plan("burst", rng, target, stream=rng.random() < 0.5)
                 for _ in range(target.burst_size)]

@@ -42,7 +42,7 @@ from kvserve.testing.soak import (
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "soak.py"
 #: The live test's load: seed, workers, largest max_tokens, burst size.
-LIVE_SEED, LIVE_CONCURRENCY, LIVE_MAX_TOKENS, LIVE_BURST = 2529, 8, 16, 4
+LIVE_SEED, LIVE_CONCURRENCY, LIVE_MAX_TOKENS, LIVE_BURST = 2832, 8, 16, 4
 
 
 # --------------------------------------------------------------------------- outcomes
@@ -261,6 +261,7 @@ def test_plans_expectations():
                 assert (p.wire is not None) == (kind == "smuggle")
                 if p.expect == "ok":
                     assert 1 <= p.body["max_tokens"] <= 16
+                    assert p.max_tokens == p.body["max_tokens"] * p.body.get("n", 1)
                 assert (p.hangup_after in (1, 2)) == (kind == "disconnect")
                 assert (p.pause_s > 0) == (kind == "slow")
     for kind in ("oversized", "flood"):  # unknown limit: a normal stream
@@ -295,7 +296,7 @@ def test_live_seed_draws_every_expected_kind_first():
     """The live test relies on it: whatever the machine's speed, each worker
     sends its first draw, and these cover a good, a bad and a hung-up request."""
     kinds = _first_kinds(LIVE_SEED, LIVE_CONCURRENCY)
-    assert {"bad", "disconnect", "constraint", "smuggle", "flood"} <= kinds
+    assert {"bad", "disconnect", "constraint", "smuggle", "flood", "samples"} <= kinds
     assert kinds & {"stream", "plain", "burst", "slow"}
 
 
@@ -354,6 +355,7 @@ def test_soak_live_kvserve(default_model_path, tmp_path):
     assert result["by_kind"]["bad"].keys() <= {"4xx", "429/503"}
     for kind in ("smuggle", "flood"):
         assert result["by_kind"][kind].keys() <= {"4xx", "429/503"}, result["by_kind"]
+    assert result["by_kind"]["samples"].keys() <= {"complete", "429/503"}, result["by_kind"]
     assert result["probe_itl_ms"]["n"] > 0 and result["server"]["max_model_len"] == 512
     assert "kvserve soak" in proc.stdout and "result" in proc.stdout
 
