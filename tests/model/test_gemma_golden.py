@@ -112,14 +112,19 @@ def test_greedy_tokens_equal_the_reference(gemma_model_path):
 @pytest.mark.slow
 def test_q4_blocks_give_the_reference_tokens(gemma_model_path):
     """``--quantization q4``: the Q8_0 tensors as shipped, the others (Q5_0,
-    Q4_K, Q6_K) requantized to Q8_0. Against the float run, the top token's
-    log-probability moved by at most 0.069 over the positions where the two
-    agree (measured on these six prompts, 2026-12-02), so a reference
-    margin below twice that, 0.15, may flip: a divergence is also accepted
+    Q4_K, Q6_K) requantized to Q8_0, with int8 activations. Against the
+    float run, the top token's log-probability moved by up to 0.177 over
+    the positions where the two agree (measured on these six prompts,
+    2026-12-06, Intel Xeon with AVX-512 VNNI; 0.152 at the commit before
+    the four-key attention: an activation code that rounds the other way
+    moves the logits by far more than the float sums' order, so the
+    figure differs between CPUs and kernel versions), so a reference
+    margin below twice that, 0.35, may flip: a divergence is also accepted
     there. (Measured: 4 of 6 cases equal the reference for all 32 tokens;
-    the other two split at reference margins 0.014 and 0.109.)"""
+    the other two split at reference margins 0.012 and 0.213.) At most two
+    cases may split at all."""
     cases = _golden()
-    _check(cases, _run(gemma_model_path, "q4", cases), reference_margin=0.15)
+    assert _check(cases, _run(gemma_model_path, "q4", cases), reference_margin=0.35) <= 2
 
 
 @pytest.mark.slow
