@@ -14,6 +14,7 @@ ARGS ?=
 PIP_ALIVE = ( s=0; while sleep 5; do s=$$((s+5)); echo "  ... pip is still installing ($$s s)"; \
 	done ) & alive=$$!; trap 'kill $$alive 2>/dev/null' EXIT;
 $(VENV)/.created:
+	@echo "Creating the virtual environment $(VENV) (python -m venv prints nothing for a while)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	touch $@

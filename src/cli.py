@@ -523,6 +523,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "-v", "--verbose", dest="log_level", action="store_const", const="info",
         help="log the start-up and statistics lines too (--log-level info; default: only "
              "the answer, and errors)")
+    warm = command_parser("warmup", "load the model and compile its kernels for these flags, "
+                          "then exit: a later serve or generate with the same flags starts "
+                          "from the compiled cache")
+    _add_engine_args(_argument_groups(warm, ENGINE_GROUPS), log_level="info")
     fetch = command_parser("fetch-model", "fetch and convert a model (the default model, or "
                            "NAME); print its folder")
     fetch.add_argument("name", nargs="?", default=None,
@@ -1089,20 +1093,38 @@ async def _start_engine(config: EngineConfig, *args, **kwargs):
         raise _StartupError(str(exc)) from None
 
 
+#: Seconds a quiet ``kvserve generate`` may start before it says why it waits.
+GENERATE_NOTICE_S = 5.0
+GENERATE_NOTICE = ("kvserve: loading the model and compiling its kernels (a first start with "
+                   "new flags takes minutes; `kvserve warmup` with the same flags does it "
+                   "ahead; -v shows the progress)")
+
+
 async def _generate(args: argparse.Namespace) -> int:
     """``kvserve generate``: the answer on stdout, and nothing on stderr at
-    its default ``--log-level error`` but errors."""
+    its default ``--log-level error`` but errors, and one line
+    (``GENERATE_NOTICE``) when the start takes over ``GENERATE_NOTICE_S``."""
+    import threading
+
     from kvserve.actors.messages import GenerateRequest, RequestFailed, RequestOutput
     from kvserve.core.sampling_params import SamplingParams
 
     if args.model is not None:
         _require_model_folder(args.model)
+    quiet = args.log_level in ("error", "critical")
+    notice = threading.Timer(GENERATE_NOTICE_S, print, (GENERATE_NOTICE,),
+                             {"file": sys.stderr, "flush": True})
+    notice.daemon = True
+    if quiet:
+        notice.start()  # a thread: the start may hold the event loop
     try:
         engine_config = await asyncio.to_thread(_settled_config, args)
         engine = await _start_engine(engine_config, stats_interval=args.stats_interval)
         await _refuse_unfit_max_model_len(args, engine)
     except _StartupError as exc:
         _die(str(exc))
+    finally:
+        notice.cancel()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     request = GenerateRequest(
         request_id=uuid.uuid4().hex, sampling_params=params, arrival_time=time.monotonic(),
@@ -1120,6 +1142,25 @@ async def _generate(args: argparse.Namespace) -> int:
     finally:
         await engine.shutdown()
     return status
+
+
+async def _warmup(args: argparse.Namespace) -> int:
+    """``kvserve warmup``: start the engine of these flags (loading the
+    weights compiles and caches every kernel they use, ``startup_step``
+    lines), stop it, and print the seconds it took."""
+    if args.model is not None:
+        _require_model_folder(args.model)
+    t0 = time.monotonic()
+    try:
+        engine_config = await asyncio.to_thread(_settled_config, args)
+        engine = await _start_engine(engine_config, stats_interval=0)
+    except _StartupError as exc:
+        _die(str(exc))
+    seconds = time.monotonic() - t0
+    await engine.shutdown()
+    print(f"kvserve warmup: the engine of these flags started in {seconds:.1f} s; its "
+          "compiled kernels are cached for the next start")
+    return 0
 
 
 def _run(coro):
@@ -1230,13 +1271,15 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(getattr(args, "log_format", "auto"), getattr(args, "log_level", "info"))
     if args.command == "fetch-model":
         return _fetch_model(args.name)
-    elif args.command in ("serve", "generate"):
+    elif args.command in ("serve", "generate", "warmup"):
         changed = non_default_args(parser._command_parser(args), args)  # as given
         if args.command == "serve":
             _check_replica_flags(args)  # flags that contradict each other: a usage error
         _log_start(changed)
         if args.command == "serve":
             return _run(_serve(args))
+        if args.command == "warmup":
+            return _run(_warmup(args))
         return _run(_generate(args))
     elif args.command == "plan":
         return _plan(args)

@@ -421,3 +421,35 @@ def test_a_drained_signal_is_not_raised_again_after_the_server_stops():
         server._captured_signals.append(signal.SIGINT)  # what handle_exit records
     # reaching this line is the test: no KeyboardInterrupt was raised
     assert server._captured_signals == []
+
+
+# --------------------------------------------------------------------------- compile ahead
+
+
+@pytest.mark.model
+def test_warmup_starts_the_engine_of_its_flags_then_exits(default_model_path: Path) -> None:
+    """Issue 48 item 6: ``kvserve warmup FLAGS`` loads and compiles what those
+    flags use (the ``warm_up`` step), stops, and says so on stdout."""
+    done = subprocess.run([sys.executable, "-m", "kvserve.cli", "warmup", "--model",
+                           str(default_model_path), "--kv-cache-memory", "64MiB"],
+                          capture_output=True, text=True, timeout=HANG_DEADLINE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("kvserve warmup: the engine of these flags started in ")
+    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    steps = [e["step"] for e in events if e["event"] == "startup_step"]
+    assert steps[-1] == "warm_up" and "weights" in steps
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.model
+def test_a_quiet_generate_says_why_it_waits_once(default_model_path: Path, monkeypatch,
+                                                 capsys, restore_logging) -> None:
+    """Issue 48 item 6: ``kvserve generate`` (no log lines by default) was
+    silent for the whole start; past ``GENERATE_NOTICE_S`` it prints one line
+    saying what it does and how to do it ahead, then only the answer."""
+    monkeypatch.setattr(cli, "GENERATE_NOTICE_S", 0.0)
+    assert cli.main(["generate", "--model", str(default_model_path), "--kv-cache-memory",
+                     "64MiB", "--max-tokens", "2", "Hi"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [cli.GENERATE_NOTICE]
+    assert out.strip()  # the answer

@@ -41,10 +41,37 @@ class CpuBackend:
                           batch_invariant=config.batch_invariant)
 
     def kv_cache_bytes(self, model: ModelConfig, weights_bytes: int, profile: Any = None) -> int:
-        """``--kv-cache-memory`` (bytes): host memory is not measured."""
-        return self.config.cache.kv_cache_memory
+        """``--kv-cache-memory`` (bytes), as asked. The cache's pages are
+        committed as requests fill them, so a cache larger than the memory
+        left would start and then be killed under load: when it exceeds
+        ``available_memory_bytes`` (the weights are loaded by now), log
+        ``kv_cache_exceeds_memory`` naming both figures and the flag."""
+        kv_bytes = self.config.cache.kv_cache_memory
+        available = available_memory_bytes()
+        if available is not None and kv_bytes > available:
+            log.warning("kv_cache_exceeds_memory", kv_cache_bytes=kv_bytes,
+                        available_bytes=available, weights_bytes=weights_bytes,
+                        message=f"The KV cache ({kv_bytes / 2**30:.2f} GiB) is larger than the "
+                                f"memory left after the weights ({available / 2**30:.2f} GiB "
+                                "available): the server would be killed for memory once requests "
+                                "fill it; lower --kv-cache-memory")
+        return kv_bytes
 
     def warmup(self) -> None:
         """Compile the Numba kernels (``CpuOps.warmup``), the KV ops for the
         configured ``--kv-cache-dtype``."""
         self.ops.warmup(self.config.cache.kv_cache_dtype)
+
+
+def available_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of memory available to new allocations without
+    swapping (``MemAvailable`` of ``meminfo``, bytes); None where there is no
+    such file (not Linux) or line."""
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
