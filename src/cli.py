@@ -546,6 +546,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     diag.add_argument("--interval", type=POSITIVE_FLOAT, default=10.0,
                       help="seconds between the two scrapes")
     diag.add_argument("--json", action="store_true", help="print JSON")
+    if command in (None, "diagnose"):
+        from kvserve.observability.analysis import add_target_arguments
+
+        add_target_arguments(diag)
     bench = command_parser("bench", "replay a JSONL trace against a server "
                            "(tools/replay.py; see tools/README.md)")
     if command in (None, "bench"):
@@ -1237,7 +1241,8 @@ def _diagnose(args: argparse.Namespace) -> int:
     except OSError as exc:  # urllib's URLError and HTTPError are OSErrors
         print(f"kvserve diagnose: error: cannot scrape {url}: {exc}", file=sys.stderr)
         return 2
-    features = features_from_scrapes(before, after)
+    features = features_from_scrapes(before, after, seconds=args.interval)
+    features.ttft_target, features.tpot_target = args.ttft_target, args.tpot_target
     verdicts = diagnose(features)
     if args.json:
         print(json.dumps({"bottleneck": verdicts[0].kind if verdicts else None,

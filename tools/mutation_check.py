@@ -945,8 +945,8 @@ MUTANTS_KV_DISK = (
            ("tests/api/test_api_errors.py",),
            "/health answers 200 while a pipeline stage (or every replica) is down"),
     Mutant("kv_load_lost_fails_the_request", "actors/scheduler.py",
-           (("        if result.error is not None and result.kv_load_lost:",
-             "        if False:"),),
+           (("        if result.error is not None and (result.kv_load_lost or result.kv_lost):",
+             "        if result.error is not None and result.kv_lost:"),),
            ("tests/actors/test_scheduler_kv_load_lost.py",) + DISK_ENGINE,
            "a block lost from the offload tier between look-up and load is a 500 "
            "instead of a recompute"),
@@ -1221,6 +1221,12 @@ MUTANTS_BENCH = (
 
 #: The serving core's policies (issue 33): each mutant's one test file runs in seconds.
 MUTANTS_CORE_POLICY = (
+    Mutant("diagnosis_ignores_targets", "observability/diagnosis.py",
+           (("    target = _target_rule(f, explained=bool(verdicts))",
+             "    target = None"),),
+           ("tests/observability/test_obs_stats_unit.py",),
+           "a uniformly slow server (0.02 tokens/s per request, a 9.7 s median TTFT) gets no "
+           "verdict: nothing relative stands out"),
     Mutant("recompute_keeps_the_void_token", "core/scheduler.py",
            (("                    or scheduler_output.step_id <= request.outputs_void_through):",
              "                    or False):"),),

@@ -20,7 +20,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvserve.observability.diagnosis import KV_HIGH, Features, Verdict, diagnose, host_note
+from kvserve.observability.diagnosis import (KV_HIGH, TPOT_TARGET_S, TTFT_TARGET_S, Features,
+                                            Verdict, diagnose, host_note)
 
 PHASES = ("queue_s", "prefill_s", "ttft_s", "tpot_s", "e2e_s")
 PROMPT_BUCKETS = (128, 512, 1024, 2048)
@@ -326,10 +327,13 @@ class Analysis:
         return self.verdicts[0].kind if self.verdicts else None
 
 
-def analyze(data: LogData, out_dir: str | Path | None = None, plots: bool = True) -> Analysis:
+def analyze(data: LogData, out_dir: str | Path | None = None, plots: bool = True,
+            ttft_target: float = TTFT_TARGET_S, tpot_target: float = TPOT_TARGET_S) -> Analysis:
     """Analyse ``data``; with ``out_dir``, write ``report.md``,
-    ``requests.csv`` and the PNG plots there."""
+    ``requests.csv`` and the PNG plots there. ``ttft_target`` /
+    ``tpot_target``: seconds (``diagnosis.TTFT_TARGET_S`` / ``TPOT_TARGET_S``)."""
     features = features_from_log(data)
+    features.ttft_target, features.tpot_target = ttft_target, tpot_target
     verdicts = diagnose(features)
     written: list[Path] = []
     if out_dir is not None and plots:
@@ -540,6 +544,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--json", action="store_true",
                         help="print the verdicts and features as JSON instead of the report")
+    add_target_arguments(parser)
+
+
+def add_target_arguments(parser) -> None:
+    """``--ttft-target`` and ``--tpot-target`` (seconds; ``analyze`` and ``diagnose``)."""
+    parser.add_argument("--ttft-target", type=float, default=TTFT_TARGET_S, metavar="S",
+                        help="median time to first token the server should meet, seconds "
+                             "(a target_missed verdict above it)")
+    parser.add_argument("--tpot-target", type=float, default=TPOT_TARGET_S, metavar="S",
+                        help="median time per output token the server should meet, seconds "
+                             f"(default {TPOT_TARGET_S:g}: {1 / TPOT_TARGET_S:g} tokens/s per "
+                             "request)")
 
 
 def run(args) -> int:
@@ -559,7 +575,8 @@ def run(args) -> int:
         print(f"kvserve analyze: error: cannot read {path}: {what} (a terminal's console log? "
               "start the server with --log-format json and analyse that log)", file=sys.stderr)
         return 2
-    result = analyze(data, out, plots=not args.no_plots)
+    result = analyze(data, out, plots=not args.no_plots, ttft_target=args.ttft_target,
+                     tpot_target=args.tpot_target)
     if args.json:
         print(json.dumps({"bottleneck": result.bottleneck,
                           "verdicts": [v.to_dict() for v in result.verdicts],

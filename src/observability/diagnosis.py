@@ -21,9 +21,21 @@ live metrics (``kvserve diagnose``).
   host, e.g. CPU contention, and the report says so without a verdict), with steps that mix prefill and decode
   slower than pure decode steps as supporting evidence when steps are known.
 
-Verdicts come in precedence order (kv_capacity, queueing, prefill, decode):
-KV capacity is a cause of queueing, so it is named first when both hold.
-An empty list means no bottleneck: the server is lightly loaded.
+- ``target_missed``: the median TTFT or TPOT is above its target
+  (``--ttft-target``, default ``TTFT_TARGET_S``; ``--tpot-target``, default
+  ``TPOT_TARGET_S``), whatever the rules above found: a server that is
+  uniformly slow (every request at 0.02 tokens/s, no queue, no spread) has
+  no relative symptom, and a 9.7 s median TTFT is not "fine". It names what
+  missed by how much and, when no other verdict explains it, the cause the
+  shape points at (each step slow: the machine's compute, memory bandwidth
+  or other load; or the prompts' prefill). Without finished requests
+  (``kvserve diagnose`` over a short window) the TPOT is estimated from the
+  window's output tokens per running request.
+
+Verdicts come in precedence order (kv_capacity, queueing, prefill, decode,
+target_missed): KV capacity is a cause of queueing, so it is named first
+when both hold. An empty list means no bottleneck: the server is lightly
+loaded and within its targets.
 """
 
 from __future__ import annotations
@@ -39,6 +51,12 @@ PREFILL_SHARE_E2E = 0.3
 PREFILL_FLOOR_S = 0.1
 PROMPT_CORR = 0.6
 PROMPT_SPREAD = 2.0
+#: Default latency targets (seconds): a first token within 2 s, and 10
+#: output tokens/s per request (TPOT 0.1 s), about reading speed. vLLM's
+#: benchmark takes them as ``--goodput ttft:MS tpot:MS`` with no default;
+#: these are kvserve's, stated in every ``target_missed`` verdict.
+TTFT_TARGET_S = 2.0
+TPOT_TARGET_S = 0.1
 KV_MAX = 0.9
 KV_HIGH = 0.8
 KV_HIGH_FRACTION = 0.5
@@ -85,6 +103,11 @@ class Features:
     decode_step_s: float | None = None
     max_concurrency: float | None = None
     mixed_step_s: float | None = None
+    #: Output tokens/s per running request over the window (metrics), for
+    #: a window in which nothing finished.
+    decode_rate_per_request: float | None = None
+    ttft_target: float = TTFT_TARGET_S
+    tpot_target: float = TPOT_TARGET_S
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -134,7 +157,44 @@ def diagnose(f: Features) -> list[Verdict]:
         decode = _decode_rule(f)
         if decode is not None:
             verdicts.append(decode)
+    target = _target_rule(f, explained=bool(verdicts))
+    if target is not None:
+        verdicts.append(target)
     return verdicts
+
+
+def _target_rule(f: Features, explained: bool) -> Verdict | None:
+    """``target_missed`` (module docstring); ``explained``: another verdict
+    already names a cause."""
+    tpot, tpot_source = f.tpot_p50, "tpot_p50_s"
+    if tpot is None and f.decode_rate_per_request:
+        tpot, tpot_source = 1.0 / f.decode_rate_per_request, "tpot_from_token_rate_s"
+    misses = []
+    if f.ttft_p50 is not None and f.ttft_p50 > f.ttft_target:
+        misses.append(f"the median TTFT is {f.ttft_p50:.2f} s against a target of "
+                      f"{f.ttft_target:g} s")
+    if tpot is not None and tpot > f.tpot_target:
+        misses.append(f"the median TPOT is {tpot:.3f} s ({1 / tpot:.2f} tokens/s per request) "
+                      f"against a target of {f.tpot_target:g} s")
+    if not misses:
+        return None
+    if explained:
+        why = "The verdicts above say why."
+    elif tpot is not None and tpot > f.tpot_target:
+        why = ("No queue, KV pressure or uneven spread explains it: every step is slow for "
+               "every request alike. The model is too large for this machine's compute or "
+               "memory bandwidth at this concurrency, or other processes take the CPU/GPU "
+               "(compare the load average, and `kvserve plan`); fewer concurrent sequences, "
+               "a smaller or quantized model (-q), or more cores help.")
+    else:
+        why = ("No queue explains it: the prompts' prefill itself takes longer than the "
+               "target; shorter prompts, prefix caching of shared prefixes, or a faster "
+               "machine help.")
+    evidence = _drop_none({"ttft_p50_s": f.ttft_p50, "ttft_target_s": f.ttft_target,
+                           tpot_source: tpot, "tpot_target_s": f.tpot_target,
+                           "requests": f.num_requests})
+    return Verdict("target_missed", "Latency targets missed",
+                   f"{'; '.join(misses)[:1].upper()}{'; '.join(misses)[1:]}. {why}", evidence)
 
 
 def _kv_rule(f: Features) -> Verdict | None:
@@ -307,9 +367,12 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
     return prev_le
 
 
-def features_from_scrapes(before: Samples, after: Samples, prefix: str = "kvserve:") -> Features:
+def features_from_scrapes(before: Samples, after: Samples, prefix: str = "kvserve:",
+                          seconds: float | None = None) -> Features:
     """Features of the window between two ``/metrics`` scrapes (deltas of
-    counters and histograms; gauges as the max of the two scrapes)."""
+    counters and histograms; gauges as the max of the two scrapes);
+    ``seconds``: the window's length, for the output tokens/s per running
+    request."""
 
     def delta(name: str) -> float:
         return _sum(after, prefix + name) - _sum(before, prefix + name)
@@ -330,6 +393,10 @@ def features_from_scrapes(before: Samples, after: Samples, prefix: str = "kvserv
     tpot_b, itl_b = dbuckets("request_time_per_output_token_seconds"), \
         dbuckets("inter_token_latency_seconds")
     kv_max = gauge("kv_cache_usage_perc")
+    running = gauge("num_requests_running")
+    generated = delta("generation_tokens_total")
+    rate = (generated / seconds / running if seconds and running and generated > 0
+            else None)
     return Features(
         source="metrics",
         num_requests=int(delta("e2e_request_latency_seconds_count")),
@@ -348,7 +415,8 @@ def features_from_scrapes(before: Samples, after: Samples, prefix: str = "kvserv
         tpot_p10=histogram_quantile(0.1, tpot_b), tpot_p50=histogram_quantile(0.5, tpot_b),
         tpot_p90=histogram_quantile(0.9, tpot_b),
         itl_p50=histogram_quantile(0.5, itl_b), itl_p90=histogram_quantile(0.9, itl_b),
-        extra={"generation_tokens": delta("generation_tokens_total"),
+        decode_rate_per_request=rate,
+        extra={"generation_tokens": generated,
                "prompt_tokens": delta("prompt_tokens_total"),
                "prefix_cache_queries": delta("prefix_cache_queries_total"),
                "prefix_cache_hits": delta("prefix_cache_hits_total"),

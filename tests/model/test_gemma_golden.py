@@ -115,7 +115,7 @@ def test_q4_blocks_give_the_reference_tokens(gemma_model_path):
     Q4_K, Q6_K) requantized to Q8_0, with int8 activations. Against the
     float run, the top token's log-probability moved by up to 0.177 over
     the positions where the two agree (measured on these six prompts,
-    2026-12-06, Intel Xeon with AVX-512 VNNI; 0.152 at the commit before
+    2026-12-06, AMD EPYC Zen 3, AVX2 and no AVX-512; 0.152 at the commit before
     the four-key attention: an activation code that rounds the other way
     moves the logits by far more than the float sums' order, so the
     figure differs between CPUs and kernel versions), so a reference

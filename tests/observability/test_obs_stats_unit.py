@@ -229,8 +229,9 @@ def test_diagnose_from_scrapes_queueing_kv_and_idle():
         _finish(m, queue=3.0, prefill=0.05, decode=0.5)
     m.set_load(2, 8, 0.3)
     verdicts = diagnose(features_from_scrapes(before, _scrape(m)))
-    assert [v.kind for v in verdicts] == ["queueing"]
+    assert [v.kind for v in verdicts] == ["queueing", "target_missed"]  # TTFT 3 s > 2 s
     assert verdicts[0].evidence["queue_share_of_ttft"] > 0.9
+    assert verdicts[1].summary.endswith("The verdicts above say why.")
     m2 = EngineMetrics("m2")
     before = _scrape(m2)
     for _ in range(5):
@@ -260,3 +261,34 @@ def test_rules_prefill_and_decode():
                      queue_p90=0.002, prefill_mean=0.099, tpot_p10=0.03, tpot_p50=0.032,
                      tpot_p90=0.2)
     assert diagnose(light) == []
+
+
+def test_a_uniformly_slow_server_misses_its_target_without_finishing_a_request():
+    """Issue 48 item 7: four requests at 0.02 tokens/s each finish nothing in
+    a 10 s window and show no relative symptom; ``diagnose`` gave no verdict.
+    The token rate per running request gives the TPOT that misses."""
+    m = EngineMetrics("m")
+    before = _scrape(m)
+    m.set_load(4, 0, 0.1)
+    m.observe_tokens(1, None)  # 1 token in 10 s over 4 running: 0.025 tokens/s each
+    features = features_from_scrapes(before, _scrape(m), seconds=10.0)
+    (verdict,) = diagnose(features)
+    assert verdict.kind == "target_missed"
+    assert verdict.evidence["tpot_from_token_rate_s"] == pytest.approx(40.0)
+    assert "every step is slow for every request alike" in verdict.summary
+    features.tpot_target = 60.0  # a target it meets
+    assert diagnose(features) == []
+
+
+@pytest.mark.parametrize("ttft, verdicts", [(9.7, ["target_missed"]), (1.5, [])])
+def test_a_slow_first_token_is_judged_against_the_target(ttft, verdicts):
+    """A 9.7 s median TTFT with no queue and even prompts was called fine."""
+    f = Features("logs", num_requests=8, ttft_mean=ttft, ttft_p50=ttft, e2e_mean=ttft + 1,
+                 queue_mean=0.01, queue_p90=0.02, prefill_mean=ttft - 0.01,
+                 prompt_ttft_corr=0.9, prompt_spread=1.1, tpot_p10=0.04, tpot_p50=0.05,
+                 tpot_p90=0.06)
+    found = diagnose(f)
+    assert [v.kind for v in found] == verdicts
+    if found:
+        assert found[0].summary.startswith("The median TTFT is 9.70 s against a target of 2 s")
+        assert "prefill itself takes longer than the target" in found[0].summary
