@@ -55,11 +55,12 @@ test-slow: install
 test-fast: install
 	$(PY) -m pytest -q -m "not model and not gemma and not clients and not slow" $(ARGS)
 
-## Benchmark clients in a venv of their own (aiperf brings ~150 packages), and the
-## test that runs aiperf against a live kvserve, offline.
+## Clients in a venv of their own (aiperf brings ~150 packages; instructor pins a jiter
+## that the test extra's openai does not take), and the tests that run them against a
+## live kvserve, offline.
 $(VENV)-clients/.installed:
 	$(PYTHON) -m venv $(VENV)-clients
-	$(VENV)-clients/bin/pip install "aiperf==0.13.0"
+	$(VENV)-clients/bin/pip install "aiperf==0.13.0" "instructor==1.17.0"
 	touch $@
 
 bench-clients: $(VENV)-clients/.installed
