@@ -61,6 +61,12 @@ def command_parser(name: str) -> argparse.ArgumentParser:
     (["serve", "--port", "70000"],
      "kvserve serve: error: argument --port: must be 0-65535, got 70000; see 'kvserve serve "
      "--help' for the options"),
+    (["diagnose", "--url", "http://127.0.0.1:1", "--tpot-target", "-1"],
+     "kvserve diagnose: error: argument --tpot-target: must be a positive number of seconds, "
+     "got '-1'; see 'kvserve diagnose --help' for the options"),
+    (["analyze", "server.log", "--ttft-target", "nan"],
+     "kvserve analyze: error: argument --ttft-target: must be a positive number of seconds, "
+     "got 'nan'; see 'kvserve analyze --help' for the options"),
 ])
 def test_a_usage_mistake_is_one_line_naming_what_is_accepted(argv, expected) -> None:
     assert error_lines(kvserve(*argv)) == [expected]

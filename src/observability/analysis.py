@@ -547,12 +547,26 @@ def add_arguments(parser) -> None:
     add_target_arguments(parser)
 
 
+def _seconds(text: str) -> float:
+    """A target in seconds: a positive finite number (argparse's type)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def add_target_arguments(parser) -> None:
     """``--ttft-target`` and ``--tpot-target`` (seconds; ``analyze`` and ``diagnose``)."""
-    parser.add_argument("--ttft-target", type=float, default=TTFT_TARGET_S, metavar="S",
+    parser.add_argument("--ttft-target", type=_seconds, default=TTFT_TARGET_S, metavar="S",
                         help="median time to first token the server should meet, seconds "
                              "(a target_missed verdict above it)")
-    parser.add_argument("--tpot-target", type=float, default=TPOT_TARGET_S, metavar="S",
+    parser.add_argument("--tpot-target", type=_seconds, default=TPOT_TARGET_S, metavar="S",
                         help="median time per output token the server should meet, seconds "
                              f"(default {TPOT_TARGET_S:g}: {1 / TPOT_TARGET_S:g} tokens/s per "
                              "request)")

@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import json
 
-import httpx
-import openai
 import pydantic
 import pytest
 from fake_engine import FakeEngine, accepted, sample_outputs
+from test_api_responses import client, engine  # noqa: F401 - fixtures: ChatML engine, openai client
 
-from kvserve.api import build_app
-from kvserve.config import ServerConfig
 
 pytestmark = pytest.mark.anyio
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-            "{% endfor %}<|im_start|>assistant\n")
 
 
 def call(name: str, arguments: dict) -> str:
@@ -38,21 +33,6 @@ def answers(engine: FakeEngine, *texts: str) -> None:
         return [accepted(req), *sample_outputs(req, 0, [text[i:i + 7] for i in
                                                         range(0, len(text), 7)])]
     engine.script = script
-
-
-@pytest.fixture
-def engine() -> FakeEngine:
-    engine = FakeEngine()
-    engine.tokenizer.chat_template = TEMPLATE
-    return engine
-
-
-@pytest.fixture
-def client(engine) -> openai.AsyncOpenAI:
-    app = build_app(engine, ServerConfig())
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
-    return openai.AsyncOpenAI(base_url="http://t/v1", api_key="k", http_client=http,
-                              max_retries=0)
 
 
 async def test_the_agents_sdk_default_model_runs_a_tool_to_the_final_answer(client, engine):
