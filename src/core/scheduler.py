@@ -524,6 +524,13 @@ class Scheduler:
             manager = self.kv_cache_manager
             manager.evict_hashes(manager.get_block_ids(request.request_id,
                                                        first_unwritten * manager.num_groups))
+        num_freed = self._requeue(request)
+        step.preemptions.append(PreemptionEvent(request.request_id, "kv_cache_full", num_freed))
+
+    def _requeue(self, request: Request) -> int:
+        """A request taken off ``running``, preempted by recompute: free its
+        blocks, reset its progress, requeue it at the front and tell the
+        runner to forget it. Returns the blocks freed."""
         num_freed = self.kv_cache_manager.free(request)
         self._blocks_sent.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
@@ -534,7 +541,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.staged.prepend(request)
         self._finished_ids[request.request_id] = None
-        step.preemptions.append(PreemptionEvent(request.request_id, "kv_cache_full", num_freed))
+        return num_freed
 
     def recompute(self, request_ids: Iterable[str], reason: str) -> list[PreemptionEvent]:
         """Restart running requests whose K/V are bad (a block the step was
@@ -554,19 +561,9 @@ class Scheduler:
                 continue
             self.running.remove(request)
             manager.evict_hashes(manager.get_block_ids(request_id))
-            num_freed = manager.free(request)
-            self._blocks_sent.pop(request_id, None)
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            request.num_output_placeholders = 0
             request.outputs_void_through = self._step_id - 1  # the last step scheduled
             request.num_kv_restarts += 1
-            if request.spec is not None:
-                request.spec.draft_token_ids = []
-            request.num_preemptions += 1
-            self.staged.prepend(request)
-            self._finished_ids[request_id] = None
-            events.append(PreemptionEvent(request_id, reason, num_freed))
+            events.append(PreemptionEvent(request_id, reason, self._requeue(request)))
         return events
 
     def _schedule_waiting(self, step: _Step) -> None:
