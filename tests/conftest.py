@@ -17,6 +17,8 @@ import pytest
 
 from folder_scope import FolderScoped  # noqa: E402
 from gemma_fixture import gemma_model_path  # noqa: E402,F401  (a fixture)
+from memory import (collect_garbage, grown_since_the_last_collection,  # noqa: E402
+                    peak_rss_bytes, release_freed_memory_to_the_os)
 
 from kvserve.thread_env import apply_thread_pool_env  # noqa: E402
 
@@ -107,75 +109,16 @@ def pytest_runtest_setup(item) -> None:
     """Before a test starts, when the last test's fixture values are
     dropped (until its teardown ends they still reference its engines):
     collect the garbage if the test is the first of its module, or if the
-    process has grown by ``COLLECT_AFTER_GROWTH_BYTES`` since the last
+    process has grown by ``memory.COLLECT_AFTER_GROWTH_BYTES`` since the last
     collection."""
-    grown = current_rss_bytes() - _LAST_COLLECT["rss"] > COLLECT_AFTER_GROWTH_BYTES
-    if item.path != _LAST_COLLECT["path"] or grown:
-        _collect_garbage()
-    _LAST_COLLECT["path"] = item.path
+    if item.path != _LAST_PATH["path"] or grown_since_the_last_collection():
+        collect_garbage()
+    _LAST_PATH["path"] = item.path
 
 
-#: An engine is a web of reference cycles (its actors and the engine point at
-#: each other; the KV cache's free-block list is doubly linked), so a stopped
-#: engine's ~1 GiB (weights, KV cache) is freed only by a cyclic collection,
-#: which CPython runs when its allocation counters say, not when memory is
-#: large: the four engines of ``tests/e2e/test_e2e_faults.py`` (one per test)
-#: were all resident at once (3,743 MiB). A collection at the end of a module
-#: came too early: the last test's fixture values (engine handles) are
-#: dropped only after its teardown, so the module's engines outlived it and
-#: ``tests/engine`` reached 3,902 MiB (2,603 MiB collecting before each test).
-COLLECT_AFTER_GROWTH_BYTES = 512 * 2**20
-_LAST_COLLECT: dict = {"rss": 0, "path": None}
+_LAST_PATH: dict = {"path": None}
 
-
-def current_rss_bytes() -> int:
-    """This process's resident bytes now (``/proc/self/statm``; 0 where absent)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _libc():
-    """glibc through ctypes, or None (another C library)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
-
-
-def _collect_garbage() -> None:
-    """Free what stopped engines hold (a cyclic collection) and give the
-    freed heap back to the OS (glibc's ``malloc_trim``)."""
-    import gc
-
-    gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-    _LAST_COLLECT["rss"] = current_rss_bytes()
-
-
-def _release_freed_memory_to_the_os() -> None:
-    """glibc's malloc raises its mmap threshold each time a large block is
-    freed, so after an engine shuts down the next engine's arrays of a few
-    MiB come from the heap, which keeps freed memory: each engine started and
-    stopped in this process left about 900 MiB behind (measured with
-    ``malloc_trim``), and the suite's process reached 14 GiB (issue 33). A
-    fixed 1 MiB threshold (larger arrays are their own mappings, returned
-    on free) and a trim after each collection keep it to what is alive."""
-    if _LIBC is not None:
-        _LIBC.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-
-
-_release_freed_memory_to_the_os()
+release_freed_memory_to_the_os()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -205,15 +148,6 @@ _PEAK_MODULE: dict = {}
 #: it, not bounded: Linux counts a forked child's pages before its ``exec``
 #: (the parent's).
 MAX_RSS_BYTES = int(os.environ.get("KVSERVE_TEST_MAX_RSS", 4 * 2**30))
-
-
-def peak_rss_bytes() -> tuple[int, int]:
-    """``(this process's peak resident bytes, the largest waited-for child's)``
-    (``getrusage``'s ``ru_maxrss``: KiB on Linux)."""
-    import resource
-
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

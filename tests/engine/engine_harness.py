@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from deadlines import HANG_DEADLINE_S, hang_message
+from memory import collect_garbage
 
 from kvserve.actors.messages import (GenerateRequest, RequestAccepted, RequestFailed,
                                      RequestOutput)
@@ -247,7 +248,9 @@ class EngineLoop:
                             scheduler=scheduler or SchedulerConfig())
 
     def start(self, config: EngineConfig) -> EngineHandle:
-        """A new engine (the caller shuts it down with ``stop``)."""
+        """A new engine (the caller shuts it down with ``stop``), started
+        once the engines stopped before it are freed (``collect_garbage``)."""
+        collect_garbage()
         engine = self.loop.run_until_complete(AsyncEngine.start(config))
         return EngineHandle(self.loop, engine)
 
