@@ -69,6 +69,45 @@ def _emulated_shfl_down_sync(self, mask, value, delta):
     return posts[src]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _launch_signatures():
+    """Under the simulator, note every kernel signature ``CudaOps`` launches
+    (``launch_signatures``); at the end fail if one is not in the manifest
+    that ``test_cuda_ptx.py`` compiles for real GPUs, or, with
+    ``KVSERVE_WRITE_LAUNCH_MANIFEST=1``, add them to it."""
+    import os
+
+    from launch_signatures import MANIFEST, Recorder, read_manifest, write_manifest
+
+    from kvserve.cuda.ops import CudaOps
+
+    if not numba_config.ENABLE_CUDASIM:
+        yield
+        return
+    recorder, launch = Recorder(), CudaOps._launch
+
+    def recording_launch(self, kernel, grid, block, *args):
+        if min(grid) > 0:
+            recorder.record(kernel, args)
+        return launch(self, kernel, grid, block, *args)
+
+    CudaOps._launch = recording_launch
+    try:
+        yield
+    finally:
+        CudaOps._launch = launch
+    known = read_manifest()
+    if os.environ.get("KVSERVE_WRITE_LAUNCH_MANIFEST") == "1":
+        write_manifest(known | recorder.entries)
+        return
+    unknown = sorted(recorder.entries - known)
+    assert not unknown, (
+        f"{len(unknown)} kernel signature(s) launched here are not in {MANIFEST.name}, which "
+        "tests/cuda/test_cuda_ptx.py compiles for sm_80 and sm_90; add them with "
+        "KVSERVE_WRITE_LAUNCH_MANIFEST=1 .venv/bin/python -m pytest tests/cuda -m 'slow or not "
+        "slow':\n" + "\n".join(unknown[:10]))
+
+
 @pytest.fixture(params=["shared", "shuffle"])
 def warp_reduction(request, monkeypatch):
     """Both code paths of the GEMV warp reductions (``gemv_kernels._lane_sums``).
