@@ -23,7 +23,7 @@ from kvserve.cpu import (block_dot_ops, block_ops, decode_path, int8, kernels, k
 from kvserve.cpu.parallel import PARALLEL_REGION, parallel_chunks
 from kvserve.cpu.prefill_attention import prefill_attention
 from kvserve.model import kv_quant
-from kvserve.model.ops import build_rope_cache, compose_rope_kv_attention
+from kvserve.model.ops import QKNorm, build_rope_cache, compose_rope_kv_attention
 from kvserve.model.ggml_blocks import BlockQuantizedWeight, KQuantWeight, StackedWeight
 from kvserve.model.quantization import LinearWeight, QuantizedWeight
 
@@ -306,12 +306,16 @@ class CpuOps:
         return out
 
     def fused_add_rms_norm(self, x: np.ndarray, residual: np.ndarray, weight: np.ndarray,
-                           eps: float) -> None:
-        """In place: ``residual += x; x[:] = rms_norm(residual)`` (vLLM convention).
+                           eps: float, x_weight: np.ndarray | None = None) -> None:
+        """In place: ``residual += x; x[:] = rms_norm(residual)`` (vLLM convention),
+        with ``x`` first ``rms_norm(x, x_weight)`` when ``x_weight`` is given
+        (``Ops.fused_add_rms_norm``).
 
-        x, residual: writeable float32[T, H], distinct buffers; weight:
-        float32[H].  Raises ValueError on shape/dtype mismatch or aliasing.
+        x, residual: writeable float32[T, H], distinct buffers; weight,
+        x_weight: float32[H].  Raises ValueError on shape/dtype mismatch or aliasing.
         """
+        if x_weight is not None:
+            x[...] = self.rms_norm(x, x_weight, eps)
         if x.shape != residual.shape or x.ndim != 2:
             raise ValueError(f"fused_add_rms_norm: x {x.shape} and residual {residual.shape} "
                              "must be equal [T, H]")
@@ -546,10 +550,12 @@ class CpuOps:
     def rope_kv_attention(self, qkv: np.ndarray, positions: np.ndarray,
                           cos_sin_cache: np.ndarray, kv_cache: np.ndarray, attn: Any,
                           scale: float, num_heads: int, num_kv_heads: int,
-                          head_dim: int, window: int = 0) -> np.ndarray:
-        """:meth:`Ops.rope_kv_attention` as its three ops (``compose_rope_kv_attention``)."""
+                          head_dim: int, window: int = 0,
+                          qk_norm: QKNorm | None = None) -> np.ndarray:
+        """:meth:`Ops.rope_kv_attention` as its ops (``compose_rope_kv_attention``)."""
         return compose_rope_kv_attention(self, qkv, positions, cos_sin_cache, kv_cache, attn,
-                                         scale, num_heads, num_kv_heads, head_dim, window)
+                                         scale, num_heads, num_kv_heads, head_dim, window,
+                                         qk_norm)
 
     def prepare_step(self, batch: Any, geometry: Any) -> Any:
         """The step's host arrays are this backend's arrays: ``batch`` itself

@@ -191,6 +191,40 @@ def fused_add_rms_norm_kernel(x, residual, weight, eps):
 
 
 @cuda.jit
+def fused_norm_add_rms_norm_kernel(x, residual, x_weight, weight, eps):
+    """In place: x = rms_norm(x, x_weight); residual += x; x = rms_norm(residual, weight).
+
+    Gemma 3's sandwich norm and the next norm in one pass: a block's output
+    normed by its own norm (``post_attention_layernorm`` or
+    ``post_feedforward_layernorm``), added to the residual stream, which is
+    then normed for the next block. x, residual: [T, H], distinct buffers of
+    one dtype; x_weight, weight: [H]; eps: float32. The normed x is stored
+    (rounded to x's dtype) before it is added, as ``rms_norm`` then
+    :func:`fused_add_rms_norm_kernel` would; sums of squares in float32.
+    Mapping: grid (T,), threads stride over H and touch only their own
+    elements; two block reductions (two buffers) are the only barriers.
+    """
+    buf = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+    buf2 = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+    t = cuda.blockIdx.x
+    H = x.shape[1]
+    ss = _ZERO
+    for i in range(cuda.threadIdx.x, H, cuda.blockDim.x):
+        xi = float32(x[t, i])
+        ss += xi * xi
+    inv = _ONE / math.sqrt(_block_sum(buf, ss) / float32(H) + eps)
+    ss = _ZERO
+    for i in range(cuda.threadIdx.x, H, cuda.blockDim.x):
+        x[t, i] = float32(x[t, i]) * inv * float32(x_weight[i])
+        r = float32(x[t, i]) + float32(residual[t, i])
+        residual[t, i] = r
+        ss += r * r
+    inv = _ONE / math.sqrt(_block_sum(buf2, ss) / float32(H) + eps)
+    for i in range(cuda.threadIdx.x, H, cuda.blockDim.x):
+        x[t, i] = float32(residual[t, i]) * inv * float32(weight[i])
+
+
+@cuda.jit
 def rotary_kernel(positions, x, cos_sin_cache):
     """In-place RoPE, NeoX / HF ``rotate_half``: element i pairs with i + hd/2.
 
@@ -736,6 +770,7 @@ MAX_GROUP = 8
 # int64 (``cuda.compile_ptx`` refuses it; the simulator does not check).
 _GROUP_Q_ELEMS = MAX_GROUP * MAX_HEAD_DIM
 _GROUP_LOGITS = MAX_GROUP * MAX_PARTITION_SIZE
+_GROUP_AND_KEY = MAX_GROUP + 1
 
 
 def _make_decode_fused(quantized):
@@ -743,9 +778,9 @@ def _make_decode_fused(quantized):
     :func:`decode_fused_int8_kernel` (True), as :func:`_make_decode_partition`'s."""
 
     @cuda.jit(device=True)
-    def decode_fused(qkv, positions, cos_sin_cache, kv_cache, kv_scales, block_tables,
-                     slot_mapping, tokens, token_seq, token_ctx, num_heads, scale, window,
-                     partition_size, out, tmp_out, max_logits, exp_sums):
+    def decode_fused(qkv, positions, cos_sin_cache, q_norm, k_norm, qk_eps, kv_cache, kv_scales,
+                     block_tables, slot_mapping, tokens, token_seq, token_ctx, num_heads, scale,
+                     window, partition_size, out, tmp_out, max_logits, exp_sums):
         q_s = cuda.shared.array(_GROUP_Q_ELEMS, float32)
         k_s = cuda.shared.array(MAX_HEAD_DIM, float32)
         logits = cuda.shared.array(_GROUP_LOGITS, float32)
@@ -754,6 +789,7 @@ def _make_decode_fused(quantized):
         m_loc = cuda.local.array(MAX_GROUP, float32)
         den_loc = cuda.local.array(MAX_GROUP, float32)
         acc = cuda.local.array(MAX_GROUP, float32)
+        inv_norm = cuda.shared.array(_GROUP_AND_KEY, float32)
 
         i, g, p = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid, nthreads = cuda.threadIdx.x, cuda.blockDim.x
@@ -772,6 +808,25 @@ def _make_decode_fused(quantized):
         half = hd // 2
         pos = positions[t]
 
+        # 0. with q/k norms (q_norm of hd elements; a 1-element dummy
+        # otherwise), each head's 1 / rms into shared memory: one block sum
+        # per head, the two reduction buffers taken in turn
+        normed = q_norm.shape[0] == hd
+        if normed:
+            for h in range(group + 1):
+                base = (g * group + h) * hd if h < group else (num_heads + g) * hd
+                ss = _ZERO
+                for d in range(tid, hd, nthreads):
+                    xd = float32(qkv[t, base + d])
+                    ss += xd * xd
+                if h % 2 == 0:
+                    total = _block_sum(red_max, ss)
+                else:
+                    total = _block_sum(red_sum, ss)
+                if tid == 0:
+                    inv_norm[h] = _ONE / math.sqrt(total / float32(hd) + qk_eps)
+            cuda.syncthreads()  # inv_norm is published, the reduction buffers free again
+
         # 1. RoPE of the group's query heads (h < group) and of the key (h == group)
         for e in range(tid, (group + 1) * half, nthreads):
             h = e // half
@@ -781,6 +836,10 @@ def _make_decode_fused(quantized):
             sn = float32(cos_sin_cache[pos, half + j])
             x1 = float32(qkv[t, base + j])
             x2 = float32(qkv[t, base + half + j])
+            if normed:
+                w = q_norm if h < group else k_norm
+                x1 *= inv_norm[h] * float32(w[j])
+                x2 *= inv_norm[h] * float32(w[half + j])
             if h < group:
                 q_s[h * hd + j] = x1 * c - x2 * sn
                 q_s[h * hd + half + j] = x2 * c + x1 * sn
@@ -875,14 +934,17 @@ _decode_fused_int8 = _make_decode_fused(quantized=True)
 
 
 @cuda.jit
-def decode_fused_kernel(qkv, positions, cos_sin_cache, kv_cache, block_tables, slot_mapping,
-                        tokens, token_seq, token_ctx, num_heads, scale, window, partition_size,
-                        out, tmp_out, max_logits, exp_sums):
-    """RoPE + KV write + GQA-group attention of one decode token, one partition.
+def decode_fused_kernel(qkv, positions, cos_sin_cache, q_norm, k_norm, qk_eps, kv_cache,
+                        block_tables, slot_mapping, tokens, token_seq, token_ctx, num_heads,
+                        scale, window, partition_size, out, tmp_out, max_logits, exp_sums):
+    """(Q/K norms +) RoPE + KV write + GQA-group attention of one decode token, one partition.
 
     qkv: [T, (nh + 2 nkv) * hd], the fused projection (query heads, then key
-    heads, then value heads); positions: int64[T]; cos_sin_cache:
-    [max_position, hd] (``build_rope_cache``); kv_cache: [num_blocks, 2,
+    heads, then value heads; not modified); positions: int64[T];
+    cos_sin_cache: [max_position, hd] (``build_rope_cache``); q_norm,
+    k_norm: [hd] RMSNorm weights of every query and key head, applied before
+    RoPE with ``qk_eps`` (float32; Qwen3's and Gemma 3's ``q_norm`` /
+    ``k_norm``), or [1] each for none; kv_cache: [num_blocks, 2,
     block_size, nkv, hd]; block_tables: int32[S, max_blocks]; slot_mapping:
     int64[T] (negative: not written); work item i is flat token
     ``tokens[i]`` of sequence ``token_seq[i]`` with context
@@ -900,23 +962,25 @@ def decode_fused_kernel(qkv, positions, cos_sin_cache, kv_cache, block_tables, s
     (float32[N, nh, parts, hd]), ``max_logits[i, h, p]`` and
     ``exp_sums[i, h, p]`` for ``decode_reduce_kernel``.
 
-    Mapping: grid (N, nkv, parts), block 1-D. Threads stride over the
-    (G + 1) * hd/2 rotation pairs, then over the partition's keys (one
+    Mapping: grid (N, nkv, parts), block 1-D. With norms, threads stride
+    over each of the G + 1 heads for its sum of squares (one block sum
+    each); then they stride over the (G + 1) * hd/2 rotation pairs, then over the partition's keys (one
     key each: a dot product with all G query rows, K read once), then over
     hd for the output (one V element each, for all G heads). Barriers:
     after the staging, after the KV write (the writing block only), and two
     per query head for the max and the sum. A partition past the context
     exits before any barrier, uniformly for its block.
     """
-    _decode_fused(qkv, positions, cos_sin_cache, kv_cache, kv_cache, block_tables, slot_mapping,
-                  tokens, token_seq, token_ctx, num_heads, scale, window, partition_size, out,
-                  tmp_out, max_logits, exp_sums)
+    _decode_fused(qkv, positions, cos_sin_cache, q_norm, k_norm, qk_eps, kv_cache, kv_cache,
+                  block_tables, slot_mapping, tokens, token_seq, token_ctx, num_heads, scale,
+                  window, partition_size, out, tmp_out, max_logits, exp_sums)
 
 
 @cuda.jit
-def decode_fused_int8_kernel(qkv, positions, cos_sin_cache, kv_cache, kv_scales, block_tables,
-                             slot_mapping, tokens, token_seq, token_ctx, num_heads, scale, window,
-                             partition_size, out, tmp_out, max_logits, exp_sums):
+def decode_fused_int8_kernel(qkv, positions, cos_sin_cache, q_norm, k_norm, qk_eps, kv_cache,
+                             kv_scales, block_tables, slot_mapping, tokens, token_seq, token_ctx,
+                             num_heads, scale, window, partition_size, out, tmp_out, max_logits,
+                             exp_sums):
     """:func:`decode_fused_kernel` over the int8 cache.
 
     kv_cache: int8[num_blocks, 2, block_size, nkv, hd + 4], kv_scales its
@@ -927,6 +991,7 @@ def decode_fused_int8_kernel(qkv, positions, cos_sin_cache, kv_cache, kv_scales,
     quantized, as every other key. Logits ``(s_k sum_d q_d c_d) scale``;
     softmax weights times ``s_v`` against the V codes.
     """
-    _decode_fused_int8(qkv, positions, cos_sin_cache, kv_cache, kv_scales, block_tables,
-                       slot_mapping, tokens, token_seq, token_ctx, num_heads, scale, window,
-                       partition_size, out, tmp_out, max_logits, exp_sums)
+    _decode_fused_int8(qkv, positions, cos_sin_cache, q_norm, k_norm, qk_eps, kv_cache,
+                       kv_scales, block_tables, slot_mapping, tokens, token_seq, token_ctx,
+                       num_heads, scale, window, partition_size, out, tmp_out, max_logits,
+                       exp_sums)

@@ -34,7 +34,7 @@ from kvserve.cuda import gemv_kernels, kernels
 from kvserve.cuda.step import (PackedStep, StepGeometry, StepViews, attention_plan,
                                check_attention_metadata, check_step, group_name, pack_step)
 from kvserve.model import kv_quant
-from kvserve.model.ops import build_rope_cache, compose_rope_kv_attention
+from kvserve.model.ops import QKNorm, build_rope_cache, compose_rope_kv_attention
 from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
 from kvserve.model.quantization import QuantizedWeight
 
@@ -210,6 +210,9 @@ class CudaOps:
         #: The step being run (``prepare_step``): arrays inside its buffer
         #: were checked on the host, so the wrappers do not read them back.
         self._step: StepViews | None = None
+        #: The fused decode kernels' 1-element "no q/k norm" weights, per dtype
+        #: (made at the first eager step, before any graph is captured).
+        self._no_norm: dict = {}
 
     def reset_counters(self) -> None:
         """Start counting launches and copies from zero (``counters``)."""
@@ -619,11 +622,15 @@ class CudaOps:
                      x, weight, np.float32(eps), out)
         return out
 
-    def fused_add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float) -> None:
+    def fused_add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float,
+                           x_weight: Any | None = None) -> None:
         """In place: ``residual += x; x[:] = rms_norm(residual, weight, eps)``.
 
         vLLM's ``fused_add_rms_norm``.  x, residual: writeable C-contiguous
         [T, H] of one dtype, not overlapping; weight: [H], same dtype.
+        ``x_weight`` [H] given: ``x`` is first normed with it, in the same
+        launch (``kernels.fused_norm_add_rms_norm_kernel``; Gemma 3's
+        sandwich norms, ``Ops.fused_add_rms_norm``).
         Raises ValueError on a bad array, a shape mismatch or overlap.
         """
         x = self._float(x, "fused_add_rms_norm: x", "[T, H]", 2, inplace=True)
@@ -635,8 +642,18 @@ class CudaOps:
                              f"weight {weight.shape} must be [T, H], [T, H], [H]")
         if self._overlap(x, residual):
             raise ValueError("fused_add_rms_norm: x and residual must not overlap")
-        self._launch(kernels.fused_add_rms_norm_kernel, (x.shape[0],),
-                     (self._row_threads(x.shape[1]),), x, residual, weight, np.float32(eps))
+        grid, block = (x.shape[0],), (self._row_threads(x.shape[1]),)
+        if x_weight is None:
+            self._launch(kernels.fused_add_rms_norm_kernel, grid, block, x, residual, weight,
+                         np.float32(eps))
+            return
+        self._float(x_weight, "fused_add_rms_norm: x_weight", f"[{x.shape[1]}]", 1,
+                    dtype=x.dtype)
+        if x_weight.shape != weight.shape:
+            raise ValueError(f"fused_add_rms_norm: x_weight {x_weight.shape} does not match "
+                             f"weight {weight.shape}")
+        self._launch(kernels.fused_norm_add_rms_norm_kernel, grid, block, x, residual, x_weight,
+                     weight, np.float32(eps))
 
     def _overlap(self, a: Any, b: Any) -> bool:
         """Whether two C-contiguous arrays share bytes."""
@@ -994,11 +1011,12 @@ class CudaOps:
 
     def rope_kv_attention(self, qkv: Any, positions: Any, cos_sin_cache: Any, kv_cache: Any,
                           attn: Any, scale: float, num_heads: int, num_kv_heads: int,
-                          head_dim: int, window: int = 0) -> Any:
-        """RoPE of q and k, their K/V written to the cache, paged attention:
-        ``kvserve.model.ops.rope_kv_attention``'s contract (qkv [T, (nh + 2
-        nkv) * hd]; returns a new [T, nh, hd]); ``window`` as
-        :meth:`paged_attention`'s (0: full causal attention).
+                          head_dim: int, window: int = 0, qk_norm: QKNorm | None = None) -> Any:
+        """(Q/K norms,) RoPE of q and k, their K/V written to the cache, paged
+        attention: ``kvserve.model.ops.rope_kv_attention``'s contract (qkv [T,
+        (nh + 2 nkv) * hd]; returns a new [T, nh, hd]); ``window`` as
+        :meth:`paged_attention`'s (0: full causal attention); ``qk_norm``
+        (weights [hd] of qkv's dtype) normed in the fused kernel too.
 
         A decode step planned by ``prepare_step`` (``attn.plan``: every
         sequence one new token), with at most ``MAX_GROUP`` query heads per
@@ -1016,7 +1034,7 @@ class CudaOps:
         if (not isinstance(plan, StepViews) or not plan.decode_only or plan.num_tiles
                 or group > kernels.MAX_GROUP or head_dim > kernels.MAX_HEAD_DIM):
             return self._compose(qkv, positions, cos_sin_cache, kv_cache, attn, scale, num_heads,
-                                 num_kv_heads, head_dim, window)
+                                 num_kv_heads, head_dim, window, qk_norm)
         cache = self._check_cache(kv_cache, "rope_kv_attention")
         qkv = self._float(qkv, "rope_kv_attention: qkv", "[T, (nh + 2 nkv) * hd]", 2,
                           dtype=self._kv_dtype(cache))
@@ -1036,11 +1054,13 @@ class CudaOps:
         exp_sums = xp.empty((N, num_heads, parts), np.float32)
         threads = self._threads(max(min(P, keys), head_dim))
         window32 = np.int32(window)
+        norms = self._qk_norm_args(qkv, qk_norm, head_dim)
         fused, caches = kernels.decode_fused_kernel, (cache,)
         if _quantized(cache):
             fused, caches = kernels.decode_fused_int8_kernel, self._kv_args(cache)
         self._launch(fused, (N, num_kv_heads, parts), (threads,),
-                     qkv, positions, cos_sin_cache, *caches, attn.block_tables, attn.slot_mapping,
+                     qkv, positions, cos_sin_cache, *norms, *caches, attn.block_tables,
+                     attn.slot_mapping,
                      plan.tokens, plan.token_seq, plan.token_ctx, np.int32(num_heads),
                      np.float32(scale), window32, np.int32(P), out, tmp_out, max_logits,
                      exp_sums)
@@ -1050,14 +1070,32 @@ class CudaOps:
                          out)
         return out
 
+    def _qk_norm_args(self, qkv: Any, qk_norm: QKNorm | None, head_dim: int) -> tuple:
+        """``(q_norm, k_norm, eps)`` of the fused decode kernels: the weights
+        checked ([head_dim] of qkv's dtype), or without norms 1-element
+        dummies, which the kernels read as none. Raises ValueError."""
+        if qk_norm is None:
+            dummy = self._no_norm.get(qkv.dtype)
+            if dummy is None:
+                dummy = self._no_norm[qkv.dtype] = self.xp.ones(1, qkv.dtype)
+            return dummy, dummy, np.float32(0.0)
+        for weight, what in ((qk_norm.q_weight, "q_norm"), (qk_norm.k_weight, "k_norm")):
+            self._float(weight, f"rope_kv_attention: {what}", f"[{head_dim}]", 1,
+                        dtype=qkv.dtype)
+            if weight.shape != (head_dim,):
+                raise ValueError(f"rope_kv_attention: {what} {weight.shape}, expected "
+                                 f"({head_dim},)")
+        return qk_norm.q_weight, qk_norm.k_weight, np.float32(qk_norm.eps)
+
     def _compose(self, qkv: Any, positions: Any, cos_sin_cache: Any, kv_cache: Any, attn: Any,
                  scale: float, num_heads: int, num_kv_heads: int, head_dim: int,
-                 window: int) -> Any:
-        """:meth:`rope_kv_attention` as three ops (``compose_rope_kv_attention``'s
-        steps: q and k copied out of ``qkv`` and rotated, K/V written, then
-        :meth:`paged_attention` with ``window``)."""
+                 window: int, qk_norm: QKNorm | None = None) -> Any:
+        """:meth:`rope_kv_attention` as its ops (``compose_rope_kv_attention``'s
+        steps: q and k copied out of ``qkv``, normed with ``qk_norm`` and
+        rotated, K/V written, then :meth:`paged_attention` with ``window``)."""
         return compose_rope_kv_attention(self, qkv, positions, cos_sin_cache, kv_cache, attn,
-                                         scale, num_heads, num_kv_heads, head_dim, window)
+                                         scale, num_heads, num_kv_heads, head_dim, window,
+                                         qk_norm)
 
     # ------------------------------------------------------------------ #
 

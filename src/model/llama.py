@@ -38,7 +38,7 @@ from kvserve.config import ModelConfig
 from kvserve.core.kv_layout import model_kv_layout
 from kvserve.model.ggml_blocks import (BlockQuantizedWeight, KQuantWeight, StackedWeight,
                                       concat_rows, dequantize, fuse_adjacent)
-from kvserve.model.ops import Ops, StepGeometry, build_rope_cache
+from kvserve.model.ops import Ops, QKNorm, StepGeometry, build_rope_cache
 from kvserve.model.quantization import LinearWeight, quantize_weight
 from kvserve.model.rope import rope_table
 
@@ -345,19 +345,20 @@ class LlamaModel:
             x = ops.rms_norm(hidden, self.layers[0].input_norm, cfg.rms_norm_eps)
         else:
             ops.fused_add_rms_norm(x, residual, self.layers[0].input_norm, cfg.rms_norm_eps)
+        eps = cfg.rms_norm_eps
         for i, layer in enumerate(self.layers):
-            if i > 0:
-                ops.fused_add_rms_norm(x, residual, layer.input_norm, cfg.rms_norm_eps)
+            if i > 0:  # the last MLP output, normed first where it has a norm of its own
+                ops.fused_add_rms_norm(x, residual, layer.input_norm, eps,
+                                       x_weight=self.layers[i - 1].mlp_out_norm)
             x = self._attention(first + i, layer, x, positions,
                                 self._layer_attn(attn, first + i), kv_caches[i])
-            if layer.attn_out_norm is not None:
-                x = ops.rms_norm(x, layer.attn_out_norm, cfg.rms_norm_eps)
-            ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
+            ops.fused_add_rms_norm(x, residual, layer.post_norm, eps,
+                                   x_weight=layer.attn_out_norm)
             x = ops.linear(self.activation(ops.linear(x, layer.gate_up)), layer.down)
             if self.all_reduce is not None:
                 self.all_reduce(x)
-            if layer.mlp_out_norm is not None:
-                x = ops.rms_norm(x, layer.mlp_out_norm, cfg.rms_norm_eps)
+        if self.layers[-1].mlp_out_norm is not None:  # what the next add takes
+            x = ops.rms_norm(x, self.layers[-1].mlp_out_norm, eps)
         return x, residual
 
     def _layer_attn(self, attn: Any, i: int) -> AttentionMetadata:
@@ -380,32 +381,18 @@ class LlamaModel:
         cfg, ops = self.config, self.ops
         hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
-        if layer.q_norm is not None:
-            self._qk_norm(qkv, layer)
         recipe = self.recipes[i]
-        # Only sliding layers pass a window: full ones call the op as before.
-        windowed = {"window": recipe.window} if recipe.window else {}
+        # Only sliding layers pass a window, only q/k-normed ones a norm: the
+        # others call the op as before either existed.
+        extra = {"window": recipe.window} if recipe.window else {}
+        if layer.q_norm is not None:
+            extra["qk_norm"] = QKNorm(layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
         out = ops.rope_kv_attention(qkv, positions, recipe.rope_cache, kv_cache, attn,
-                                    self.scale, nh, nkv, hd, **windowed)
+                                    self.scale, nh, nkv, hd, **extra)
         out = ops.linear(out.reshape(x.shape[0], nh * hd), layer.o_proj)
         if self.all_reduce is not None:
             self.all_reduce(out)
         return out
-
-    def _qk_norm(self, qkv: Any, layer: LayerWeights) -> None:
-        """In place on qkv [T, (nh + 2 nkv) * hd]: RMSNorm of every query head
-        with ``q_norm`` and every key head with ``k_norm`` (rows of head_dim;
-        Gemma3Attention's ``q_norm`` / ``k_norm``); values untouched."""
-        cfg, ops = self.config, self.ops
-        xp = getattr(ops, "xp", np)  # the backend's array module
-        t, hd = qkv.shape[0], cfg.head_dim
-        q_size = cfg.num_attention_heads * hd
-        for norm, lo, heads in ((layer.q_norm, 0, cfg.num_attention_heads),
-                                (layer.k_norm, q_size, cfg.num_key_value_heads)):
-            # contiguous rows of head_dim (one KV head: a strided view otherwise)
-            part = xp.ascontiguousarray(qkv[:, lo:lo + heads * hd]).reshape(t * heads, hd)
-            qkv[:, lo:lo + heads * hd] = ops.rms_norm(part, norm, cfg.rms_norm_eps).reshape(
-                t, heads * hd)
 
 
 def _fuse_kquant(weights: list) -> KQuantWeight | StackedWeight:

@@ -32,7 +32,7 @@ out of range (token ids, slots, block ids, positions) raise ``ValueError``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -79,11 +79,16 @@ class Ops(Protocol):
         """
         ...
 
-    def fused_add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float) -> None:
+    def fused_add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float,
+                           x_weight: Any | None = None) -> None:
         """In place: ``residual += x; x[:] = rms_norm(residual, weight, eps)``.
 
         vLLM's ``fused_add_rms_norm`` convention (one pass instead of three).
         x, residual: [T, H], distinct contiguous buffers; weight: [H].
+        ``x_weight`` [H] given (Gemma 3's ``post_attention_layernorm`` and
+        ``post_feedforward_layernorm``, applied to a block's output before
+        its residual add): ``x`` is first ``rms_norm(x, x_weight, eps)``,
+        rounded to x's dtype, then added.
         """
         ...
 
@@ -128,15 +133,17 @@ class Ops(Protocol):
 
     def rope_kv_attention(self, qkv: Any, positions: Any, cos_sin_cache: Any, kv_cache: Any,
                           attn: Any, scale: float, num_heads: int, num_kv_heads: int,
-                          head_dim: int, window: int = 0) -> Any:
-        """The attention block after the fused QKV projection:
-        ``rotary_embedding`` of q and k, ``write_kv`` of k and v, then
-        ``paged_attention`` with ``window`` (``compose_rope_kv_attention`` is
-        the reference composition; a backend may fuse it).
+                          head_dim: int, window: int = 0, qk_norm: QKNorm | None = None) -> Any:
+        """The attention block after the fused QKV projection: (with
+        ``qk_norm``, ``rms_norm`` of every query and key head,) ``rotary_embedding``
+        of q and k, ``write_kv`` of k and v, then ``paged_attention`` with
+        ``window`` (``compose_rope_kv_attention`` is the reference
+        composition; a backend may fuse it).
 
-        qkv: [T, (nh + 2 nkv) * hd] (query heads, key heads, value heads);
-        positions: int64[T]; attn: the step's ``AttentionMetadata``.  Returns
-        a new [T, nh, hd] array.  Raises ValueError as the three ops do.
+        qkv: [T, (nh + 2 nkv) * hd] (query heads, key heads, value heads;
+        not modified); positions: int64[T]; attn: the step's
+        ``AttentionMetadata``.  Returns a new [T, nh, hd] array.  Raises
+        ValueError as the ops do.
         """
         ...
 
@@ -188,18 +195,34 @@ class Ops(Protocol):
         ...
 
 
+class QKNorm(NamedTuple):
+    """RMSNorm weights of every query head and every key head, applied before
+    RoPE (Qwen3's and Gemma 3's ``q_norm`` / ``k_norm``): [hd] each, of the
+    activations' dtype; ``eps`` the model's ``rms_norm_eps``."""
+
+    q_weight: Any
+    k_weight: Any
+    eps: float
+
+
 def compose_rope_kv_attention(ops: Ops, qkv: Any, positions: Any, cos_sin_cache: Any,
                               kv_cache: Any, attn: Any, scale: float, num_heads: int,
-                              num_kv_heads: int, head_dim: int, window: int = 0) -> Any:
-    """``Ops.rope_kv_attention`` as three ops: q and k copied out of ``qkv``
-    and rotated, k and v (a view of ``qkv``) written, then paged attention
-    (``window`` passed on only when > 0, so that full attention calls
-    ``paged_attention`` exactly as before windows existed).
-    Shapes and errors as ``Ops.rope_kv_attention``."""
+                              num_kv_heads: int, head_dim: int, window: int = 0,
+                              qk_norm: QKNorm | None = None) -> Any:
+    """``Ops.rope_kv_attention`` as its ops: q and k copied out of ``qkv``
+    (normed head by head with ``qk_norm``) and rotated, k and v (a view of
+    ``qkv``) written, then paged attention (``window`` passed on only when >
+    0, so that full attention calls ``paged_attention`` exactly as before
+    windows existed). Shapes and errors as ``Ops.rope_kv_attention``."""
     t = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q = qkv[:, :q_size].copy()
     k = qkv[:, q_size:q_size + kv_size].copy()
+    if qk_norm is not None:  # rows of head_dim, one per head
+        q = ops.rms_norm(q.reshape(t * num_heads, head_dim), qk_norm.q_weight,
+                         qk_norm.eps).reshape(t, q_size)
+        k = ops.rms_norm(k.reshape(t * num_kv_heads, head_dim), qk_norm.k_weight,
+                         qk_norm.eps).reshape(t, kv_size)
     v = qkv[:, q_size + kv_size:].reshape(t, num_kv_heads, head_dim)
     ops.rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
     ops.write_kv(k.reshape(t, num_kv_heads, head_dim), v, kv_cache, attn.slot_mapping)

@@ -79,3 +79,39 @@ def test_tiny_gemma_on_simulated_cuda_equals_cpu(tmp_path):
             got = np.array([v for _, v in top] + [value], np.float64)
             assert [t for t, _ in top] == [t for t, _ in ref_top], rid
             assert np.abs(got - ref).max() <= LOGIT_REL * np.abs(ref).max(), rid
+
+
+#: Numba launches of a Gemma decode step outside the layers: the embedding,
+#: the first layer's input norm, the last layer's post-feedforward norm and
+#: the final norm.
+GEMMA_LAUNCHES_OUTSIDE_LAYERS = 4
+
+
+def test_a_gemma_decode_step_is_four_launches_a_layer(tmp_path):
+    """Issue 46, item 5: Gemma 3's sandwich norms and q/k norms ride in the
+    launches SmolLM2 has (add + norms, q/k norms + RoPE + KV write +
+    attention, add + norms, GELU-and-mul), not 8 launches a layer."""
+    from kvserve.core.scheduler import Scheduler
+    from kvserve.model.llama import LlamaModel
+    from kvserve.model.runner import ModelRunner
+
+    config, weights = _tiny_gemma(tmp_path)
+    ops = CudaOps(dtype=np.float32)
+    runner = ModelRunner(config, LlamaModel(config, weights, ops), ops, 16, BLOCK,
+                         logprobs_mode="raw_logits")
+    kv = KVCacheManager(16, BLOCK, enable_prefix_caching=True, windows=runner.kv_layout.windows)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
+                                          max_model_len=config.max_position_embeddings), kv)
+    rng = np.random.default_rng(46)
+    for i, n in enumerate((3, 6)):  # contexts within the window: one partition each
+        scheduler.add_request(Request(f"r{i}", rng.integers(0, config.vocab_size, n).tolist(),
+                                      greedy(4)))
+    prefill = scheduler.schedule()
+    scheduler.update_from_output(prefill, runner.execute(prefill).sampled)
+    decode = scheduler.schedule()
+    assert all(chunk.num_tokens == 1 for chunk in decode.scheduled)
+    ops.reset_counters()
+    runner.execute(decode)
+    # 4 a layer, less the first layer's add (its input norm is counted outside)
+    layers = config.num_hidden_layers
+    assert ops.counters.launches == GEMMA_LAUNCHES_OUTSIDE_LAYERS + 4 * layers - 1, ops.counters

@@ -475,7 +475,8 @@ _PTX_SCRIPT = textwrap.dedent("""
                                           f4, f3, f3)),
         ("prefill_attention_int8_kernel", (f3, c5, f5, i2, i1, i1, i1, i1, float32, int32,
                                            f3)),
-        ("decode_fused_int8_kernel", (h2, l1, h2, c5, f5, i2, l1, i1, i1, i1, int32, float32,
+        ("decode_fused_int8_kernel", (h2, l1, h2, float16[::1], float16[::1], float32, c5, f5,
+                                      i2, l1, i1, i1, i1, int32, float32,
                                       int32, int32, h3, f4, f3, f3)),
     ]
     for name, sig in sigs:

@@ -26,7 +26,7 @@ from kvserve.cuda import kernels  # noqa: E402
 from kvserve.cuda.ops import CudaOps  # noqa: E402
 from kvserve.model.input_batch import BatchInputs  # noqa: E402
 from kvserve.model.llama import AttentionMetadata  # noqa: E402
-from kvserve.model.ops import StepGeometry, build_rope_cache  # noqa: E402
+from kvserve.model.ops import QKNorm, StepGeometry, build_rope_cache  # noqa: E402
 
 #: Numba launches of a decode step outside the layers: the embedding, the
 #: first layer's input norm, the final norm.
@@ -116,15 +116,25 @@ def _fused_case(seed: int, num_heads: int, num_kv_heads: int, head_dim: int,
     (8, 1, 4, [11, 5], 4),         # 8 query heads on one KV head, split-K partitions of 4
     (4, 2, 6, [12], 4),            # the new token at a partition's first position
 ], ids=["gqa3", "mha", "gqa8-split", "partition-edge"])
+@pytest.mark.parametrize("normed", [False, True], ids=["", "qk-norm"])
 def test_fused_decode_equals_rope_write_and_attention_on_the_cpu(num_heads, num_kv_heads,
-                                                                 head_dim, contexts, partition):
+                                                                 head_dim, contexts, partition,
+                                                                 normed):
+    """With ``normed``, Qwen3's and Gemma 3's q/k norms too (issue 46, item 5):
+    every query and key head RMS-normed before RoPE, inside the fused kernel."""
     qkv, batch, cache, rope, geometry = _fused_case(3, num_heads, num_kv_heads, head_dim,
                                                     contexts)
+    norm = None
+    if normed:
+        rng = np.random.default_rng(5)
+        norm = QKNorm(rng.uniform(0.5, 1.5, head_dim).astype(np.float32),
+                      rng.uniform(0.5, 1.5, head_dim).astype(np.float32), 1e-6)
     cpu_cache = cache.copy()
     cpu_attn = AttentionMetadata(batch.slot_mapping, batch.block_tables, batch.seq_lens,
                                  batch.query_start_loc)
     expected = CpuOps().rope_kv_attention(qkv.copy(), batch.positions, rope, cpu_cache, cpu_attn,
-                                          head_dim ** -0.5, num_heads, num_kv_heads, head_dim)
+                                          head_dim ** -0.5, num_heads, num_kv_heads, head_dim,
+                                          qk_norm=norm)
 
     ops = CudaOps(partition_size=partition)
     step = ops.prepare_step(batch, geometry)
@@ -132,13 +142,44 @@ def test_fused_decode_equals_rope_write_and_attention_on_the_cpu(num_heads, num_
     attn = AttentionMetadata(step.slot_mapping, step.block_tables, step.seq_lens,
                              step.query_start_loc, plan=step)
     ops.reset_counters()
+    gpu_norm = norm and QKNorm(ops.to_device(norm.q_weight), ops.to_device(norm.k_weight),
+                               norm.eps)
     got = ops.rope_kv_attention(ops.to_device(qkv), step.positions, ops.to_device(rope),
                                 gpu_cache, attn, head_dim ** -0.5, num_heads, num_kv_heads,
-                                head_dim)
+                                head_dim, qk_norm=gpu_norm)
     split = max(contexts) > partition
     assert ops.counters.launches == (2 if split else 1)  # fused; the split-K reduction
     np.testing.assert_allclose(ops.to_numpy(got), expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ops.to_numpy(gpu_cache), cpu_cache, rtol=1e-6, atol=1e-6)
+
+
+def test_the_sandwich_norm_add_and_next_norm_are_one_launch() -> None:
+    """``fused_add_rms_norm`` with ``x_weight`` (Gemma 3's post-block norms,
+    issue 46 item 5) equals the float64 reference: x normed by x_weight,
+    added to the residual, the sum normed by weight; one launch."""
+    rng = np.random.default_rng(9)
+    x, residual = rng.standard_normal((3, 40)).astype(np.float32) * 4, \
+        rng.standard_normal((3, 40)).astype(np.float32)
+    x_weight, weight = rng.uniform(0.5, 2, 40).astype(np.float32), \
+        rng.uniform(0.5, 2, 40).astype(np.float32)
+    eps = 1e-6
+
+    def norm(a, w):
+        return a / np.sqrt((a * a).mean(-1, keepdims=True) + eps) * w
+
+    want_residual = residual.astype(np.float64) + norm(x.astype(np.float64), x_weight)
+    want_x = norm(want_residual, weight)
+    ops = CudaOps()
+    gx, gr = ops.to_device(x), ops.to_device(residual)
+    ops.reset_counters()
+    ops.fused_add_rms_norm(gx, gr, ops.to_device(weight), eps, x_weight=ops.to_device(x_weight))
+    assert ops.counters.launches == 1
+    np.testing.assert_allclose(ops.to_numpy(gr), want_residual, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ops.to_numpy(gx), want_x, rtol=1e-5, atol=1e-5)
+    cpu_x, cpu_r = x.copy(), residual.copy()
+    CpuOps().fused_add_rms_norm(cpu_x, cpu_r, weight, eps, x_weight=x_weight)
+    np.testing.assert_allclose(cpu_r, want_residual, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cpu_x, want_x, rtol=1e-5, atol=1e-5)
 
 
 def test_a_group_larger_than_the_fused_kernels_takes_the_three_ops() -> None:

@@ -478,8 +478,8 @@ _PTX_SCRIPT = textwrap.dedent("""
         "decode_partition_kernel": (f3, f5, i2, i1, i1, i1, float32, int32, int64, f4, f3, f3),
         "decode_reduce_kernel": (f4, f3, f3, i1, i1, int32, int64, f3),
         "prefill_attention_kernel": (f3, f5, i2, i1, i1, i1, i1, float32, int32, f3),
-        "decode_fused_kernel": (f2, l1, f2, f5, i2, l1, i1, i1, i1, int32, float32, int32,
-                                int32, f3, f4, f3, f3),
+        "decode_fused_kernel": (f2, l1, f2, float32[::1], float32[::1], float32, f5, i2, l1,
+                                i1, i1, i1, int32, float32, int32, int32, f3, f4, f3, f3),
     }
     for name, sig in sigs.items():
         cuda.compile_ptx(getattr(k, name).py_func, sig, cc=(9, 0))
