@@ -148,6 +148,19 @@ def embedding_kernel(token_ids, table, out):
         out[t, i] = table[row, i]
 
 
+@cuda.jit(device=True)
+def _inv_rms(x, t, buf, eps):
+    """``1 / sqrt(mean(x[t]**2) + eps)`` of row ``t`` of x [T, H], over the
+    block: each thread sums the squares of the elements it strides over (in
+    float32), one block sum in ``buf`` (its barrier)."""
+    H = x.shape[1]
+    ss = _ZERO
+    for i in range(cuda.threadIdx.x, H, cuda.blockDim.x):
+        xi = float32(x[t, i])
+        ss += xi * xi
+    return _ONE / math.sqrt(_block_sum(buf, ss) / float32(H) + eps)
+
+
 @cuda.jit
 def rms_norm_kernel(x, weight, eps, out):
     """out[t] = x[t] / sqrt(mean(x[t]**2) + eps) * weight (HF LlamaRMSNorm).
@@ -158,11 +171,7 @@ def rms_norm_kernel(x, weight, eps, out):
     buf = cuda.shared.array(MAX_BLOCK_THREADS, float32)
     t = cuda.blockIdx.x
     H = x.shape[1]
-    ss = _ZERO
-    for i in range(cuda.threadIdx.x, H, cuda.blockDim.x):
-        xi = float32(x[t, i])
-        ss += xi * xi
-    inv = _ONE / math.sqrt(_block_sum(buf, ss) / float32(H) + eps)
+    inv = _inv_rms(x, t, buf, eps)
     for i in range(cuda.threadIdx.x, H, cuda.blockDim.x):
         out[t, i] = float32(x[t, i]) * inv * float32(weight[i])
 
@@ -208,11 +217,7 @@ def fused_norm_add_rms_norm_kernel(x, residual, x_weight, weight, eps):
     buf2 = cuda.shared.array(MAX_BLOCK_THREADS, float32)
     t = cuda.blockIdx.x
     H = x.shape[1]
-    ss = _ZERO
-    for i in range(cuda.threadIdx.x, H, cuda.blockDim.x):
-        xi = float32(x[t, i])
-        ss += xi * xi
-    inv = _ONE / math.sqrt(_block_sum(buf, ss) / float32(H) + eps)
+    inv = _inv_rms(x, t, buf, eps)
     ss = _ZERO
     for i in range(cuda.threadIdx.x, H, cuda.blockDim.x):
         x[t, i] = float32(x[t, i]) * inv * float32(x_weight[i])

@@ -3,22 +3,15 @@ means from two /metrics scrapes, against figures worked out by hand (no server).
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from tools_support import load_tool
 
 from kvserve.observability.metrics import parse_metrics_text
-
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "bench_pipeline.py"
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("bench_pipeline_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_pipeline")
 
 
 def test_bubble_fraction_by_hand(tool):

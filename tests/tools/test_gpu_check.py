@@ -6,7 +6,6 @@ golden rule and the per-step figures."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tools_support import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "gpu_check.py"
@@ -23,12 +23,9 @@ SCRIPT = REPO / "tools" / "gpu_check.py"
 @pytest.fixture(scope="module")
 def gc():
     """The script as a module (registered, as its dataclasses need)."""
-    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_tool("gpu_check")
     yield module
-    del sys.modules[spec.name]
+    del sys.modules[module.__name__]
 
 
 def run_script(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, dict]:

@@ -10,25 +10,15 @@ names real mutants.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from tools_support import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("mutation_check_under_test",
-                                                  ROOT / "tools" / "mutation_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-MC = _module()
+MC = load_tool("mutation_check")
 
 
 @pytest.mark.parametrize("mutant", MC.MUTANTS, ids=[m.name for m in MC.MUTANTS])

@@ -10,8 +10,25 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 
 from deadlines import HANG_DEADLINE_S, hang_message
+
+#: The repository's tools/ folder.
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def load_tool(name: str):
+    """``tools/<name>.py`` as a module, registered in ``sys.modules`` (as
+    ``<name>_under_test``: its dataclasses need their module there)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 #: The stub's delays: first content chunk after STUB_TTFT s, then one every STUB_ITL s.
 STUB_TTFT = 0.3
