@@ -127,6 +127,7 @@ class AsyncEngine:
             num_gpu_blocks=core.plan.num_blocks,
             gpu_memory_utilization=cache.gpu_memory_utilization,
             kv_cache_memory_bytes=cache.kv_cache_memory)
+        self.metrics.set_decode_path(core.decode_path.path)
         if kv_events is not None:  # before any actor runs
             core.scheduler.kv_cache_manager.pool.events = kv_events
         self._build_actors(core, admission, executor)

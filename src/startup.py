@@ -29,6 +29,7 @@ from kvserve.model.backend import Backend, create_backend
 from kvserve.model.drafter import DraftProposer, load_draft_model
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_checkpoint_weights, load_model_config
+from kvserve.model.ops import DecodePath
 from kvserve.model.runner import ModelRunner, profile_forward
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.observability.log import LoadProgress
@@ -54,6 +55,9 @@ class EngineCore:
     #: A KV block outside the cache: shape, dtype, model fingerprint (for
     #: the KV connector and the offload tier).
     kv_layout: KVLayout
+    #: The path the model's decode steps take (``LlamaModel.decode_path``;
+    #: the first stage's in pipeline stages), logged as ``decode_path``.
+    decode_path: DecodePath
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
@@ -93,9 +97,10 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         with progress.step("warm_up", "warming up (compiling the kernels)"):
             _warm_up(config, backend, loaded.model, runner, plan.max_model_len)
     scheduler = _build_scheduler(config, plan, layout, runner.kv_connector)
+    _log_decode_path(loaded.model.decode_path)
     _log_ready(config, path, backend, plan, loaded.weights_bytes, time.monotonic() - t0)
     return EngineCore(config, model_config, tokenizer, backend, runner, scheduler, plan,
-                      plan.max_model_len, layout)
+                      plan.max_model_len, layout, loaded.model.decode_path)
 
 
 def check_parallel(config: EngineConfig, model: ModelConfig) -> None:
@@ -168,9 +173,17 @@ def _build_pipelined_core(config: EngineConfig) -> EngineCore:
         config.scheduler, pipeline_parallel_size=parallel.pipeline_parallel_size))
     scheduler = _build_scheduler(config, plan, layout, None)
     weights_bytes = sum(info.weights_bytes for info in executor.infos)
+    decode_path = executor.infos[0].decode_path
+    _log_decode_path(decode_path)
     _log_ready(config, path, _HostBackend, plan, weights_bytes, time.monotonic() - t0)
     return EngineCore(config, model_config, tokenizer, _HostBackend, runner, scheduler, plan,
-                      plan.max_model_len, layout)
+                      plan.max_model_len, layout, decode_path)
+
+
+def _log_decode_path(decode_path: DecodePath) -> None:
+    """The start-up line of the path the model's decode steps take, and why."""
+    log.info("decode_path", path=decode_path.path, reason=decode_path.reason,
+             message=f"Decode steps: {decode_path.path} ({decode_path.reason})")
 
 
 class _HostBackend:

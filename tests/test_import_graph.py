@@ -187,3 +187,17 @@ def test_a_cycle_is_found_and_named_in_order():
     assert find_cycles(graph) == [["a", "b", "c", "a"]]
     assert find_cycles({"x": {"y"}, "y": {"x"}, "z": {"w"}, "w": {"z"}}) == [
         ["w", "z", "w"], ["x", "y", "x"]]
+
+
+def test_the_model_does_not_probe_its_backend():
+    """Issue 49, item 2: the model layer asks the backend through declared
+    ``Ops`` members (``xp``, ``decode_path``, ``decode_layers``), never by
+    probing it with ``getattr(ops, ...)``."""
+    import re
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    probes = [f"{path.relative_to(src)}:{n}"
+              for path in sorted((src / "model").rglob("*.py"))
+              for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+              if re.search(r"getattr\((self\.)?ops\b", line)]
+    assert probes == []

@@ -137,6 +137,9 @@ def test_plan_equals_engine_sizing(default_model_path, memory, max_len):
             ["generate", "x", *flags])))
     (loaded,) = [e for e in logs if e["event"] == "engine_loaded"]
     assert loaded["weights_bytes"] == plan.weights_bytes
+    # the default model's float32 Llama layers take the fused decode step (issue 49)
+    (path,) = [e for e in logs if e["event"] == "decode_path"]
+    assert path["path"] == core.decode_path.path == "fused"
     assert (core.plan.bytes_per_token, core.plan.num_blocks, core.plan.num_tokens) == (
         plan.kv_bytes_per_token, plan.num_blocks, plan.kv_tokens)
     assert core.max_model_len == plan.max_model_len == core.plan.max_model_len

@@ -52,7 +52,6 @@ from numba.core.registry import CPUDispatcher  # noqa: E402
 from kvserve.cpu import (block_dot_kernels, block_kernels, decode_layer, int8,  # noqa: E402
                          kernels, kquant_kernels, prefill_attention, quant_kernels,
                          panel_kernels)
-from kvserve.cpu.decode_path import ENV  # noqa: E402
 from kvserve.cpu.ops import CpuOps  # noqa: E402
 from kvserve.model.default_model import ensure_default_model  # noqa: E402
 from kvserve.model.gguf_model import resolve_model  # noqa: E402
@@ -156,7 +155,9 @@ def measure(model: LlamaModel, batch: int, context: int, steps: int, warmup: int
     ids, positions, attn, caches, rows = decode_inputs(model, batch, context, rng, query)
 
     def step(mode):
-        os.environ[ENV] = mode
+        if model.ops.fused_decode != mode:  # what KVSERVE_CPU_FUSED_DECODE=mode gives
+            model.ops.fused_decode = mode
+            model.choose_decode_path()
         return model.forward(ids, positions, attn, caches, rows)
 
     for _ in range(warmup):
@@ -249,7 +250,6 @@ def main() -> None:
                           f"  ops {row['op_calls']:4}  kcalls {row['kernel_calls']:4}  "
                           f"load {row['loadavg_after']}", flush=True)
         del model
-    os.environ.pop(ENV, None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": vars(args), "results": results}, f, indent=1)

@@ -6,8 +6,11 @@ step of short queries here (decode, speculative verification);
 ``kvserve.cpu.decode_layer.decode_layers`` (one compiled call for the step)
 and returns ``(x, residual)``, or None where the op-by-op path must run:
 
-- ``KVSERVE_CPU_FUSED_DECODE=0`` in the environment (``=layer``: one
-  compiled call per layer instead of one per step, for measurement);
+- ``KVSERVE_CPU_FUSED_DECODE=0`` in the environment when ``CpuOps`` was
+  made (``=layer``: one compiled call per layer instead of one per step,
+  for measurement); with the architecture and weight checks below, that
+  is decided once per model (:func:`choose`: ``LlamaModel.decode_path``),
+  the others at each step;
 - a sequence with more than ``MAX_QUERY_TOKENS`` new tokens (a prompt
   chunk), or more tokens in all than ``DENSE_MAX_SEQS`` (float32 weights: the
   op path moves to BLAS sgemm there) or ``BLOCK_MAX_SEQS`` (GGUF blocks).
@@ -50,6 +53,7 @@ from kvserve.cpu.block_ops import check_weight
 from kvserve.cpu.parallel import PARALLEL_REGION
 from kvserve.model import kv_quant
 from kvserve.model.ggml_blocks import BlockQuantizedWeight, KQuantWeight, StackedWeight
+from kvserve.model.ops import DecodePath
 
 #: Environment switch: ``0`` turns the fused path off, ``layer`` makes it
 #: one compiled call per layer (default: one per step).
@@ -238,9 +242,46 @@ def _int(a: Any, dtype: type) -> np.ndarray:
     return a if a.flags.writeable else a.copy()
 
 
+#: What ``KVSERVE_CPU_FUSED_DECODE`` may be: one compiled call a step, the
+#: op path, one compiled call a layer.
+MODES = ("1", "0", "layer")
+
+
+def mode_from_env() -> str:
+    """``KVSERVE_CPU_FUSED_DECODE`` (read once, by ``CpuOps``), ``"1"`` when
+    unset. Raises ValueError for a value not in ``MODES``."""
+    mode = os.environ.get(ENV, "1")
+    if mode not in MODES:
+        raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+def choose(model: Any, mode: str, batch_invariant: bool = False) -> DecodePath:
+    """The path of ``model`` 's decode steps on the CPU backend with ``mode``
+    (``MODES``), and why: ``ops`` when the mode says so, under tensor
+    parallelism (its all-reduces come between the products), for an
+    architecture the fused kernel does not compute, or for a weight of a
+    kind it does not take; ``fused`` otherwise."""
+    if mode == "0":
+        return DecodePath("ops", f"{ENV}=0")
+    if getattr(model, "all_reduce", None) is not None:
+        return DecodePath("ops", "tensor parallelism: its all-reduces come between the products")
+    if not fused_architecture(model.config):
+        return DecodePath("ops", "the architecture: sliding windows, q/k norms, sandwich norms "
+                                 "or GeGLU are not in the fused kernel")
+    prep = _prepared(model)
+    if prep is None:
+        return DecodePath("ops", "a layer's weights are of a kind the fused kernel does not take")
+    most = DENSE_MAX_SEQS if prep.dense and not batch_invariant else BLOCK_MAX_SEQS
+    per = "a compiled call per layer" if mode == "layer" else "one compiled call"
+    return DecodePath("fused", f"{per} for a step of at most {most} sequences of at most "
+                               f"{MAX_QUERY_TOKENS} new tokens each; other steps op by op")
+
+
 def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
                   kv_caches: list, num_threads: int, batch_invariant: bool = False,
-                  x: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+                  x: np.ndarray | None = None, mode: str = "1"
+                  ) -> tuple[np.ndarray, np.ndarray] | None:
     """All decoder layers of a step of short queries, fused; None where the op path runs.
 
     Args:
@@ -257,13 +298,14 @@ def decode_layers(hidden: np.ndarray, model: Any, positions: Any, attn: Any,
         x: None on the first pipeline stage; on a later one float32[S, H],
             the previous stage's last MLP output, added to ``hidden`` (then
             the residual stream) before the first layer here.
+        mode: ``CpuOps.fused_decode`` (``MODES``): ``"layer"`` makes a
+            compiled call per layer, ``"0"`` returns None.
 
     Returns:
         ``(x, residual)`` float32[S, H]: the last layer's MLP output and the
         residual stream before the final norm (``hidden`` is the residual
         buffer, updated in place, as on the op path).
     """
-    mode = os.environ.get(ENV, "1")
     if mode == "0" or not hasattr(attn, "seq_lens"):
         return None
     rows = _token_rows(attn)

@@ -23,7 +23,8 @@ from kvserve.cpu import (block_dot_ops, block_ops, decode_path, int8, kernels, k
 from kvserve.cpu.parallel import PARALLEL_REGION, parallel_chunks
 from kvserve.cpu.prefill_attention import prefill_attention
 from kvserve.model import kv_quant
-from kvserve.model.ops import QKNorm, build_rope_cache, compose_rope_kv_attention
+from kvserve.model.ops import (DecodePath, QKNorm, build_rope_cache,
+                               compose_rope_kv_attention)
 from kvserve.model.ggml_blocks import BlockQuantizedWeight, KQuantWeight, StackedWeight
 from kvserve.model.quantization import LinearWeight, QuantizedWeight
 
@@ -158,9 +159,13 @@ class CpuOps:
             query row its own online softmax over the keys in order) instead
             of the BLAS prefill path. Slower prefill and large batches; int8
             and w8a8 weights are refused (their kernels group rows).
+        fused_decode: ``"1"`` (a model's decode steps in one compiled call
+            where ``kvserve.cpu.decode_path`` takes them), ``"layer"`` (a
+            call per layer) or ``"0"`` (op by op); None: the environment's
+            ``KVSERVE_CPU_FUSED_DECODE``, read here once (default ``"1"``).
 
-    Raises ValueError for ``tile_q`` < 1 or ``num_threads`` outside
-    [1, NUMBA_NUM_THREADS].
+    Raises ValueError for ``tile_q`` < 1, ``num_threads`` outside
+    [1, NUMBA_NUM_THREADS] or an unknown ``fused_decode``.
 
     Thread safety: Numba kernels release the GIL; the parallel attention
     kernel uses Numba's threading layer, which runs one caller at a time per
@@ -168,10 +173,11 @@ class CpuOps:
     """
 
     name = "cpu"
+    xp = np
 
     def __init__(self, tile_q: int = kernels.DEFAULT_TILE_Q, num_threads: int | None = None,
                  prefill_min_queries: int = PREFILL_MIN_QUERIES, adaptive=None,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, fused_decode: str | None = None) -> None:
         if tile_q < 1 or prefill_min_queries < 1:
             raise ValueError(f"tile_q and prefill_min_queries must be >= 1, got {tile_q} "
                              f"and {prefill_min_queries}")
@@ -184,6 +190,12 @@ class CpuOps:
         self.tile_q = int(tile_q)
         self.num_threads = num_threads
         self.adaptive = adaptive
+        if fused_decode is None:
+            fused_decode = decode_path.mode_from_env()
+        if fused_decode not in decode_path.MODES:
+            raise ValueError(f"fused_decode must be one of {decode_path.MODES}, "
+                             f"got {fused_decode!r}")
+        self.fused_decode = fused_decode
 
     def _threads(self) -> int:
         """Numba threads for a parallel kernel, set on the calling thread
@@ -368,6 +380,11 @@ class CpuOps:
         last dimension."""
         return _gated(x, "gelu_tanh_and_mul", kernels.gelu_tanh_and_mul_kernel)
 
+    def decode_path(self, model: Any) -> DecodePath:
+        """:meth:`Ops.decode_path`: ``kvserve.cpu.decode_path.choose`` with
+        ``fused_decode``."""
+        return decode_path.choose(model, self.fused_decode, self.batch_invariant)
+
     def decode_layers(self, hidden: np.ndarray, model: Any, positions: np.ndarray, attn: Any,
                       kv_caches: list, x: np.ndarray | None = None
                       ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -376,7 +393,8 @@ class CpuOps:
         ``x``: a later pipeline stage's input MLP output (``hidden`` is then
         its residual stream)."""
         return decode_path.decode_layers(hidden, model, positions, attn, kv_caches,
-                                         self._threads(), self.batch_invariant, x=x)
+                                         self._threads(), self.batch_invariant, x=x,
+                                         mode=self.fused_decode)
 
     # ------------------------------------------------------------------ #
     # paged KV cache

@@ -34,7 +34,8 @@ from kvserve.cuda import gemv_kernels, kernels
 from kvserve.cuda.step import (PackedStep, StepGeometry, StepViews, attention_plan,
                                check_attention_metadata, check_step, group_name, pack_step)
 from kvserve.model import kv_quant
-from kvserve.model.ops import QKNorm, build_rope_cache, compose_rope_kv_attention
+from kvserve.model.ops import (DecodePath, QKNorm, build_rope_cache,
+                               compose_rope_kv_attention)
 from kvserve.model.ggml_blocks import QK, BlockQuantizedWeight
 from kvserve.model.quantization import QuantizedWeight
 
@@ -1069,6 +1070,18 @@ class CudaOps:
                          tmp_out, max_logits, exp_sums, plan.tokens, plan.token_ctx, window32, P,
                          out)
         return out
+
+    def decode_path(self, model: Any) -> DecodePath:
+        """:meth:`Ops.decode_path`: ``ops`` always (no whole-step call here:
+        a launch per op, attention fused per layer, decode steps replayed
+        as CUDA graphs)."""
+        return DecodePath("ops", "the CUDA backend: a launch per op, attention fused per layer, "
+                                 "decode steps replayed as CUDA graphs")
+
+    def decode_layers(self, hidden: Any, model: Any, positions: Any, attn: Any,
+                      kv_caches: list, x: Any = None) -> None:
+        """:meth:`Ops.decode_layers`: none on this backend (``decode_path``)."""
+        return None
 
     def _qk_norm_args(self, qkv: Any, qk_norm: QKNorm | None, head_dim: int) -> tuple:
         """``(q_norm, k_norm, eps)`` of the fused decode kernels: the weights

@@ -163,7 +163,7 @@ class KVConnector:
 
     def __init__(self, ops, block_shape: Sequence[int], dtype, fingerprint: str) -> None:
         self.ops = ops
-        self.xp = getattr(ops, "xp", np)
+        self.xp = ops.xp
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = np.dtype(dtype)
         self.fingerprint = fingerprint

@@ -50,6 +50,7 @@ from kvserve.core.outputs import SchedulerOutput
 from kvserve.core.parallel import pp_layer_ranges
 from kvserve.distributed.pipeline_stage import PipelineStage
 from kvserve.distributed.ray_start import start_ray
+from kvserve.model.ops import DecodePath
 from kvserve.model.runner import KVCacheLost, ModelRunner, ModelRunnerOutput, _Step
 
 log = structlog.get_logger("kvserve.pipeline")
@@ -73,7 +74,7 @@ RESTART_WAIT_SECONDS = 600.0
 @dataclass(frozen=True)
 class StageInfo:
     """One worker as the engine knows it: its stage, TP rank, layers, heads,
-    process and sizes."""
+    process, sizes and the decode path of its layers."""
 
     index: int
     tp_rank: int
@@ -85,6 +86,7 @@ class StageInfo:
     weights_bytes: int
     kv_bytes: int
     seconds: float
+    decode_path: DecodePath
 
 
 class PipelineExecutor:
@@ -145,7 +147,8 @@ class PipelineExecutor:
         self.seconds = time.monotonic() - t0
         keys = [(s, r) for s in range(len(self.workers)) for r in range(self.tp)]
         self.infos = [StageInfo(s, r, self.ranges[s], d["q_heads"], d["kv_heads"], d["pid"],
-                                d["incarnation"], d["weights_bytes"], d["kv_bytes"], d["seconds"])
+                                d["incarnation"], d["weights_bytes"], d["kv_bytes"], d["seconds"],
+                                DecodePath(*d["decode_path"]))
                       for (s, r), d in zip(keys, infos)]
         self._incarnations = {(i.index, i.tp_rank): i.incarnation for i in self.infos}
         self._lock = threading.Lock()

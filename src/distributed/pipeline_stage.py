@@ -115,13 +115,15 @@ class PipelineStage:
 
     def info(self) -> dict:
         """The stage's process: incarnation, pid, weights and KV bytes,
-        seconds it took to load, busy seconds so far."""
+        seconds it took to load, busy seconds so far, its model's decode
+        path (``LlamaModel.decode_path``, as ``(path, reason)``)."""
         cfg = self.model.config
         return {"incarnation": self.incarnation, "pid": os.getpid(),
                 "weights_bytes": self.model.weights_nbytes, "kv_bytes": self.kv_bytes,
                 "seconds": self.seconds, "busy_seconds": self.busy_seconds,
                 "q_heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
-                "grouped": self._group is not None or self.tp_size == 1}
+                "grouped": self._group is not None or self.tp_size == 1,
+                "decode_path": (self.model.decode_path.path, self.model.decode_path.reason)}
 
     def forward(self, batch: Any, previous: tuple | None, incarnation: str,
                 num_logits: int) -> tuple:

@@ -38,7 +38,7 @@ from kvserve.config import ModelConfig
 from kvserve.core.kv_layout import model_kv_layout
 from kvserve.model.ggml_blocks import (BlockQuantizedWeight, KQuantWeight, StackedWeight,
                                       concat_rows, dequantize, fuse_adjacent)
-from kvserve.model.ops import Ops, QKNorm, StepGeometry, build_rope_cache
+from kvserve.model.ops import DecodePath, Ops, QKNorm, StepGeometry, build_rope_cache
 from kvserve.model.quantization import LinearWeight, quantize_weight
 from kvserve.model.rope import rope_table
 
@@ -107,10 +107,6 @@ class LayerRecipe:
     window: int
 
 
-#: The ``Ops`` method of each ``ModelConfig.hidden_activation``.
-_ACTIVATION_OPS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
-
-
 class LlamaModel:
     """Weights on the backend plus ``forward``.
 
@@ -166,8 +162,19 @@ class LlamaModel:
             config.rope, config.head_dim, config.max_position_embeddings))
         self.recipes = self._recipes()
         self.scale = config.attention_scale
-        self.activation = getattr(ops, _ACTIVATION_OPS[config.hidden_activation])
+        # the Ops method of each ModelConfig.hidden_activation
+        self.activation = {"silu": ops.silu_and_mul,
+                           "gelu_pytorch_tanh": ops.gelu_tanh_and_mul}[config.hidden_activation]
         self.kv_layout = model_kv_layout(config)
+        self.choose_decode_path()
+
+    def choose_decode_path(self) -> DecodePath:
+        """Ask the backend once which path this model's decode steps take
+        (``Ops.decode_path``) and keep it in ``decode_path``; called when the
+        model is built, and again by whoever changes the backend's decode
+        setting (``CpuOps.fused_decode``: tests, tools/profile_decode_step.py)."""
+        self.decode_path = self.ops.decode_path(self)
+        return self.decode_path
 
     def _recipes(self) -> list[LayerRecipe]:
         """Each layer's RoPE table and window: sliding layers get the table of
@@ -312,13 +319,11 @@ class LlamaModel:
         else:
             x, hidden = intermediate
         # A backend may run a step of short queries (decode, verification) in
-        # one compiled call (CpuOps.decode_layers); None where it does not apply (and with
-        # tensor parallelism, whose all-reduces come between the products).
-        fused = getattr(ops, "decode_layers", None) if self.all_reduce is None else None
+        # one compiled call (decode_path: chosen when the model was built);
+        # None for a step it does not take.
         done = None
-        if fused is not None:
-            done = (fused(hidden, self, positions, attn, kv_caches) if x is None
-                    else fused(hidden, self, positions, attn, kv_caches, x=x))
+        if self.decode_path.fused:
+            done = ops.decode_layers(hidden, self, positions, attn, kv_caches, x=x)
         x, residual = done if done is not None else self._layers(hidden, positions, attn,
                                                                  kv_caches, x)
         if not self.is_last:

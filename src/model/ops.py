@@ -49,12 +49,48 @@ class StepGeometry:
     block_size: int
 
 
+@dataclass(frozen=True)
+class DecodePath:
+    """The path a model's decode and verification steps take on a backend,
+    chosen once when the model is built (``Ops.decode_path``) and named in
+    the start-up log (``decode_path``) and the ``decode_path_info`` metric.
+
+    ``path``: ``"fused"`` (every layer of a step of short queries in one
+    compiled call, ``Ops.decode_layers``; a step it does not take, such as
+    a long prompt chunk, still runs op by op) or ``"ops"`` (op by op);
+    ``reason``: why, in words."""
+
+    path: str
+    reason: str
+
+    @property
+    def fused(self) -> bool:
+        return self.path == "fused"
+
+
 @runtime_checkable
 class Ops(Protocol):
     """Backend operations used by the model forward pass."""
 
     name: str
     """Backend name: ``"cpu"`` or ``"cuda"``."""
+
+    #: The array module of this backend's arrays (``numpy``, ``cupy``).
+    xp: Any
+
+    def decode_path(self, model: Any) -> DecodePath:
+        """The path ``model`` 's (a ``LlamaModel``) decode steps take here,
+        decided from the model and the backend's settings alone."""
+        ...
+
+    def decode_layers(self, hidden: Any, model: Any, positions: Any, attn: Any,
+                      kv_caches: list, x: Any = None) -> tuple[Any, Any] | None:
+        """Every layer of a step of short queries in one call, where
+        ``decode_path`` said ``fused``: ``(x, residual)`` before the final
+        norm, as ``LlamaModel`` 's layers leave them, or None for a step it
+        does not take (the model then runs it op by op). ``x``: a later
+        pipeline stage's input (``hidden`` is then its residual stream)."""
+        ...
 
     def embedding(self, token_ids: Any, table: Any) -> Any:
         """Row lookup: ``table[token_ids]``.

@@ -138,7 +138,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(num_blocks, block_size, kv_cache_dtype)
         self.states: dict[str, SamplingState] = {}
         self.input_batch = InputBatch(block_size, num_groups=self.kv_layout.num_groups)
-        self.xp = getattr(ops, "xp", np)  # the array module of the backend's arrays
+        self.xp = ops.xp  # the array module of the backend's arrays
         #: Where sampling runs: the backend's counted copies when it has them.
         self.device = Device.of(ops if hasattr(ops, "upload") else self.xp)
         self._generator = np.random.default_rng(seed)

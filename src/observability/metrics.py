@@ -71,6 +71,7 @@ METRICS: dict[str, str] = {
     "request_params_n": "histogram",
     "request_params_max_tokens": "histogram",
     "cache_config_info": "gauge",
+    "decode_path_info": "gauge",
     "request_success": "counter",
     "num_preemptions": "counter",
     "prefix_cache_queries": "counter",
@@ -226,6 +227,10 @@ class EngineMetrics:
         self._cache_config = Gauge(PREFIX + "cache_config_info",
                                    "Information of the KV cache's configuration (value 1).",
                                    ["model_name", *CACHE_CONFIG_LABELS], registry=self.registry)
+        self._decode_path = Gauge(PREFIX + "decode_path_info",
+                                  "The path the model's decode steps take (value 1): fused "
+                                  "(one compiled call a step) or ops (op by op).",
+                                  ["model_name", "path"], registry=self.registry)
         self.generation_tokens = counter("generation_tokens",
                                          "Number of generation tokens processed.")
         self._success = Counter(PREFIX + "request_success",
@@ -358,6 +363,10 @@ class EngineMetrics:
         (``CACHE_CONFIG_LABELS``; vLLM's ``cache_config_info``)."""
         values = [str(labels.get(name, "")) for name in CACHE_CONFIG_LABELS]
         self._cache_config.labels(self.model_name, *values).set(1)
+
+    def set_decode_path(self, path: str) -> None:
+        """``decode_path_info`` = 1 with the path (``DecodePath.path``) as a label."""
+        self._decode_path.labels(self.model_name, path).set(1)
 
     def observe_finished(self, timeline: RequestTimeline) -> None:
         reason = timeline.finish_reason or "abort"

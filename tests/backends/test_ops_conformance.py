@@ -526,3 +526,43 @@ def test_rope_kv_attention_equals_rope_write_and_attention(backend_ops, seqs, he
     ref = reference_attention(q, seqs, batch.query_start_loc, dense, HD ** -0.5, window=window)
     assert rel_err(out, ref) < 2 * be.rel
 
+
+
+def test_decode_path_and_decode_layers(backend_ops, tmp_path):
+    """``decode_path`` names a path and a reason; where it says ``fused``,
+    ``decode_layers`` on a decode step of two sequences leaves the op path's
+    ``(x, residual)`` (the op path is the float64-checked one of
+    ``tests/model/test_forward_reference.py``); where it says ``ops``,
+    ``decode_layers`` takes no step (None)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from tiny_llama import SPECS, load_tiny
+
+    from kvserve.model.llama import LlamaModel
+
+    be = backend_ops
+    config, weights = load_tiny(tmp_path, SPECS[0])
+    model = LlamaModel(config, {k: v.astype(be.dtype) if v.dtype.kind == "f" else v
+                                for k, v in weights.items()}, be.ops)
+    path = be.ops.decode_path(model)
+    assert path.path in ("fused", "ops") and path.reason and path == model.decode_path
+    rng = np.random.default_rng(4)
+    def caches():  # a fresh cache each path (its earlier keys zero)
+        return [be.ops.allocate_kv_cache(4, BS, config.num_key_value_heads, config.head_dim)
+                for _ in range(config.num_hidden_layers)]
+
+    attn = AttentionMetadata(slot_mapping=be.to(np.array([5, 2 * BS + 1], np.int64)),
+                             block_tables=be.to(np.array([[0, 1], [2, 3]], np.int32)),
+                             seq_lens=be.to(np.array([6, BS + 2], np.int32)),
+                             query_start_loc=be.to(np.array([0, 1, 2], np.int32)))
+    positions = be.to(np.array([5, BS + 1], np.int64))
+    hidden = rng.standard_normal((2, config.hidden_size)).astype(be.dtype)
+    fused = be.ops.decode_layers(be.to(hidden.copy()), model, positions, attn, caches())
+    if not path.fused:
+        assert fused is None
+        return
+    x, residual = model._layers(be.to(hidden.copy()), positions, attn, caches())
+    for got, want in zip(fused, (x, residual)):
+        assert rel_err(be.back(got), be.back(want)) < 1e-5

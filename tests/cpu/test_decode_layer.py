@@ -150,13 +150,23 @@ def _prefill(model, kv_cache_dtype="auto"):
     return caches, tables
 
 
-def _decode_twice(model, prefilled, seqs, monkeypatch, mode):
-    """Two decode steps of ``seqs`` on a copy of ``prefilled`` with
-    ``KVSERVE_CPU_FUSED_DECODE=mode`` (None: unset); (logits, caches, fused calls)."""
+def _use_mode(model, mode, monkeypatch):
+    """``KVSERVE_CPU_FUSED_DECODE=mode`` (None: unset) as a new ``CpuOps``
+    reads it, given to the model's backend, whose decode path is chosen again
+    (``LlamaModel.choose_decode_path``); put back after the test."""
     if mode is None:
         monkeypatch.delenv(decode_path.ENV, raising=False)
     else:
         monkeypatch.setenv(decode_path.ENV, mode)
+    monkeypatch.setattr(model, "decode_path", model.decode_path)  # put back after the test
+    monkeypatch.setattr(model.ops, "fused_decode", decode_path.mode_from_env())
+    model.choose_decode_path()
+
+
+def _decode_twice(model, prefilled, seqs, monkeypatch, mode):
+    """Two decode steps of ``seqs`` on a copy of ``prefilled`` with
+    ``KVSERVE_CPU_FUSED_DECODE=mode`` (None: unset); (logits, caches, fused calls)."""
+    _use_mode(model, mode, monkeypatch)
     calls = []
     kernel = decode_layer.decode_layers
 
@@ -238,10 +248,7 @@ def _counted_steps(model, prefilled, steps, monkeypatch, mode):
     """``steps`` (lists of chunks, as ``_step`` 's) on a copy of ``prefilled``
     with ``KVSERVE_CPU_FUSED_DECODE=mode`` (None: unset): (logits, caches,
     fused calls)."""
-    if mode is None:
-        monkeypatch.delenv(decode_path.ENV, raising=False)
-    else:
-        monkeypatch.setenv(decode_path.ENV, mode)
+    _use_mode(model, mode, monkeypatch)
     calls = []
     kernel = decode_layer.decode_layers
     monkeypatch.setattr(decode_layer, "decode_layers",

@@ -43,6 +43,8 @@ SPEC_COUNTERS = ["spec_decode_num_drafts", "spec_decode_num_draft_tokens",
 #: Issue 32: pipeline stages (kvserve-specific).
 PIPELINE_HISTOGRAMS = ["pipeline_stage_seconds"]
 PIPELINE_COUNTERS = ["pipeline_stage_busy_seconds"]
+#: Issue 49: the decode path chosen at start-up (kvserve-specific).
+DECODE_GAUGES = ["decode_path_info"]
 
 
 def test_timeline_phases_add_up_by_construction():
@@ -170,17 +172,20 @@ def test_observer_events_and_metrics():
 def test_every_issue_metric_is_exposed_with_its_type_and_label():
     metrics = EngineMetrics("my-model", 512, 64)
     metrics.set_cache_config(block_size=16, enable_prefix_caching=True)
+    metrics.set_decode_path("fused")
     text = metrics.render().decode()
     samples = parse_metrics_text(text)
     assert sorted(METRICS) == sorted(ISSUE_HISTOGRAMS + ISSUE_GAUGES + ISSUE_COUNTERS
                                      + STEP_HISTOGRAMS + STEP_COUNTERS + VLLM_HISTOGRAMS
                                      + VLLM_GAUGES + VLLM_COUNTERS + KV_COUNTERS
                                      + KV_HISTOGRAMS + SPEC_COUNTERS + PIPELINE_HISTOGRAMS
-                                     + PIPELINE_COUNTERS)
+                                     + PIPELINE_COUNTERS + DECODE_GAUGES)
+    assert samples["kvserve:decode_path_info"] == [({"model_name": "my-model", "path": "fused"},
+                                                    1.0)]
     for name in (ISSUE_HISTOGRAMS + STEP_HISTOGRAMS + VLLM_HISTOGRAMS + KV_HISTOGRAMS
                  + PIPELINE_HISTOGRAMS):
         assert f"# TYPE kvserve:{name} histogram" in text
-    for name in ISSUE_GAUGES + VLLM_GAUGES:
+    for name in ISSUE_GAUGES + VLLM_GAUGES + DECODE_GAUGES:
         assert f"# TYPE kvserve:{name} gauge" in text
     for name in (ISSUE_COUNTERS + STEP_COUNTERS + VLLM_COUNTERS + KV_COUNTERS + SPEC_COUNTERS
                  + PIPELINE_COUNTERS):
