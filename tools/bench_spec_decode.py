@@ -8,7 +8,10 @@ Servers of the default model, ``--speculative-config`` off and then each
   and the instruction to repeat it with one name changed; the answer
   copies most of the prompt, which is where prompt lookup pays. Reported:
   decode tokens/s (output tokens after the first over the time after the
-  first token) and the mean acceptance length.
+  first token), the mean acceptance length, and why the speed-up is what
+  it is: the engine's steps for the edits (from /metrics), output tokens
+  per step (steps with no n-gram match emit one) and a step's forward
+  milliseconds (a verification of k + 1 tokens against a decode's).
 - **short Q&A**, ``--qa-clients`` clients: short questions with 64-token
   answers, where drafts are rarely right; the off switch must keep the
   total output throughput within a few percent of plain decoding.
@@ -115,6 +118,18 @@ def workloads(args: argparse.Namespace) -> dict[str, list[TraceRequest]]:
     return {"edit": edit, "qa": qa}
 
 
+def step_figures(base_url: str) -> dict[str, float]:
+    """The engine's steps so far, from /metrics: how many (``steps``: the
+    forward phase's count) and the seconds of its forward phases."""
+    samples = parse_metrics_text(httpx.get(f"{base_url}/metrics", timeout=30).text)
+
+    def forward(name: str) -> float:
+        return sum(v for labels, v in samples.get(f"kvserve:step_phase_seconds_{name}", [])
+                   if labels.get("phase") == "forward")
+
+    return {"steps": forward("count"), "forward_s": forward("sum")}
+
+
 def acceptance(base_url: str) -> float | None:
     samples = parse_metrics_text(httpx.get(f"{base_url}/metrics", timeout=30).text)
     drafts = sum(v for _, v in samples.get("kvserve:spec_decode_num_drafts_total", []))
@@ -139,7 +154,9 @@ def measure(spec: str | None, args: argparse.Namespace) -> dict:
         work = workloads(args)
         asyncio.run(replay(server.base_url, work["edit"][:1], "completions", 1))  # warm-up
         load_before = os.getloadavg()[0]
+        before = step_figures(server.base_url)
         edit, edit_s = asyncio.run(replay(server.base_url, work["edit"], "completions", 1))
+        after = step_figures(server.base_url)
         mean_len = acceptance(server.base_url)
         qa, qa_s = asyncio.run(replay(server.base_url, work["qa"], "chat", args.qa_clients))
     finally:
@@ -148,6 +165,13 @@ def measure(spec: str | None, args: argparse.Namespace) -> dict:
               if r.success and r.output_tokens and r.output_tokens > 1]
     return {"spec": spec or "off", "edit_decode_tok_s": sum(decode) / max(len(decode), 1),
             "edit_output_tokens": [r.output_tokens for r in edit],
+            # why a speed-up is what it is: the edit's steps, tokens per step
+            # and a step's forward time (a verification is longer than a decode)
+            "edit_steps": after["steps"] - before["steps"],
+            "edit_tokens_per_step": (sum(r.output_tokens or 0 for r in edit)
+                                     / max(after["steps"] - before["steps"], 1)),
+            "edit_forward_ms_per_step": 1e3 * (after["forward_s"] - before["forward_s"])
+            / max(after["steps"] - before["steps"], 1),
             "edit_texts": [r.finish_reason for r in edit],
             "mean_acceptance_length": mean_len,
             "qa_output_throughput": summarize(qa, qa_s)["output_throughput"],
@@ -193,14 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     base = rows[0]
     print(f"\n{os.cpu_count()} CPUs\n")
     print("| --speculative-config | code edit decode tok/s (1 client) | speed-up | mean "
-          f"acceptance length | short Q&A output tok/s ({args.qa_clients} clients) | ratio | "
-          "same output lengths | load avg |")
-    print("|---|---|---|---|---|---|---|---|")
+          "acceptance length | edit steps | tokens / step | forward ms / step | short Q&A "
+          f"output tok/s ({args.qa_clients} clients) | ratio | same output lengths | load avg |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         length = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "-"
         print(f"| {r['spec']} | {r['edit_decode_tok_s']:.1f} | "
               f"{r['edit_decode_tok_s'] / base['edit_decode_tok_s']:.2f}x | {length} | "
-              f"{r['qa_output_throughput']:.1f} | "
+              f"{r['edit_steps']:.0f} | {r['edit_tokens_per_step']:.2f} | "
+              f"{r['edit_forward_ms_per_step']:.1f} | {r['qa_output_throughput']:.1f} | "
               f"{r['qa_output_throughput'] / base['qa_output_throughput']:.2f}x | "
               f"{r['edit_output_tokens'] == base['edit_output_tokens']} | "
               f"{r['load_before']:.1f} -> {r['load_after']:.1f} |")

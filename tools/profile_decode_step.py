@@ -154,9 +154,11 @@ def measure(model: LlamaModel, batch: int, context: int, steps: int, warmup: int
     rng = np.random.default_rng(0)
     ids, positions, attn, caches, rows = decode_inputs(model, batch, context, rng, query)
 
+    backend = model.ops  # the CpuOps itself (the profiled steps put a counting proxy there)
+
     def step(mode):
-        if model.ops.fused_decode != mode:  # what KVSERVE_CPU_FUSED_DECODE=mode gives
-            model.ops.fused_decode = mode
+        if backend.fused_decode != mode:  # what KVSERVE_CPU_FUSED_DECODE=mode gives
+            backend.fused_decode = mode
             model.choose_decode_path()
         return model.forward(ids, positions, attn, caches, rows)
 
