@@ -14,8 +14,12 @@ shows ``"status": "running"``:
 
 1. ``environment``: GPU name, memory, compute capability, CUDA runtime and
    driver (CuPy), NVVM and libdevice as Numba finds them, nvidia-smi's line,
-   the numba / cupy / numpy versions.  Fails when CuPy or Numba sees no GPU,
-   and under Numba's CUDA simulator unless ``--allow-simulator``.
+   the numba / cupy / numpy versions, then the engine's start-up probe
+   (``kvserve.cuda.probe``: a kernel compiled through NVVM and launched on
+   CuPy's stream, a cuBLAS product).  Fails when CuPy or Numba sees no GPU,
+   when the probe fails (its one line names what to install), and under
+   Numba's CUDA simulator unless ``--allow-simulator``.  Fail fast: when it
+   has not passed, every later section is skipped with its reason.
 2. ``copy_bandwidth``: a device-to-device copy of 1 GiB (``cupy.copyto``),
    median of 20 CUDA-event timings after 3 warm-ups; GB/s = bytes read +
    written / time (10**9 bytes).  The HBM roof of the sections below.
@@ -391,6 +395,16 @@ def environment_section(check: Check) -> dict:
         cupy = env["cupy"] if "not importable" in env["cupy"] else f"sees {env.get('gpu', 'none')}"
         raise SectionFailed(f"no GPU: CuPy {cupy}; Numba sees one: "
                             f"{env.get('numba_sees_gpu', 'not asked')}", env)
+    # the engine's start-up probe: a Numba kernel compiled through NVVM and
+    # launched on CuPy's stream, a cuBLAS product, both read back; its one
+    # line names what to install (NumPy too new for numba-cuda, no NVVM, a
+    # driver older than the PTX, no cuBLAS)
+    from kvserve.cuda.probe import run_probe
+
+    probe = run_probe()
+    env["probe"] = dataclasses.asdict(probe)
+    if not probe.ok:
+        raise SectionFailed(f"the CUDA probe failed: {probe.describe()}", env)
     return env
 
 
@@ -949,12 +963,19 @@ class Check:
 
 
 def run_sections(check: Check, selected: list[str]) -> None:
-    """Every section in order; the report is written when each starts and ends."""
+    """Every section in order; the report is written when each starts and ends.
+    Fail fast: once ``environment`` has not passed (no GPU, the probe's
+    kernel or product failed), every later section is skipped with that
+    reason, in the run's first seconds."""
     budget = check.args.budget_s
     for name, fn in SECTIONS:
         at = check.report.elapsed()
+        first = check.report.sections.get(SECTIONS[0][0], {})
         if name not in selected:
             entry: dict[str, Any] = {"status": "skipped", "reason": "not selected (--sections)"}
+        elif name != SECTIONS[0][0] and first.get("status") not in (None, "passed", "skipped"):
+            entry = {"status": "skipped",
+                     "reason": f"{SECTIONS[0][0]} {first['status']}: {first.get('reason')}"}
         elif time.monotonic() > check.deadline:
             entry = {"status": "skipped", "reason": f"time budget: would start at {at} s, "
                                                     f"past --budget-s {budget:g}"}

@@ -99,6 +99,24 @@ def test_a_raising_section_fails_the_run_and_is_written_at_once(gc, tmp_path, mo
     assert final["summary"]["ok"] is False and final["summary"]["error"] == ["boom"]
 
 
+def test_a_failed_environment_skips_the_rest_at_once(gc, tmp_path, monkeypatch):
+    """Issue 46, item 6: fail fast. Once the first section (environment,
+    with the start-up probe) fails, nothing else runs: each later section is
+    skipped naming why."""
+    ran = []
+
+    def no_gpu(check):
+        raise gc.SectionFailed("the CUDA probe failed: no NVVM", {"numpy": "2.5.2"})
+    _fake_sections(monkeypatch, gc, [("environment", no_gpu),
+                                     ("golden", lambda c: ran.append("golden") or {})])
+    out = tmp_path / "r.json"
+    assert gc.main(["--out", str(out)]) == 1
+    sections = json.loads(out.read_text())["sections"]
+    assert sections["environment"]["status"] == "failed" and ran == []
+    assert sections["golden"] == {"status": "skipped", "reason": "environment failed: the CUDA "
+                                                                 "probe failed: no NVVM"}
+
+
 def test_every_section_passed_is_ok(gc, tmp_path, monkeypatch):
     _fake_sections(monkeypatch, gc, [("a", lambda c: {}), ("b", lambda c: {})])
     assert gc.main(["--out", str(tmp_path / "r.json")]) == 0
