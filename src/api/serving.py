@@ -40,14 +40,13 @@ from kvserve.api.errors import APIError, error_body, from_failed
 from kvserve.api.tool_calls import ToolFormat, resolve_format, template_knows_tools
 from kvserve.api.protocol import (
     ChatCompletionRequest,
-    ChoiceState,
     CompletionRequest,
-    Renderer,
     TokenBytes,
     TokenText,
     validation_error_param,
     value_error_param,
 )
+from kvserve.api.rendering import ChoiceState, Renderer
 from kvserve.config import ServerConfig
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.model.generation_config import GenerationDefaults

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from kvserve.api.protocol import MIN_LOGPROB, chat_logprobs, completion_logprobs
+from kvserve.api.rendering import MIN_LOGPROB, chat_logprobs, completion_logprobs
 from kvserve.api.serving import json_in_pieces, sse
 
 NEG_INF = -math.inf
