@@ -489,8 +489,20 @@ def _log_speculative(sched) -> None:
 def _log_quantization(scheme: str, model: ModelConfig, float_bytes: int, weights_bytes: int,
                       dtype_bytes: int, kv_cache_dtype: str = "auto") -> None:
     """``quantization``: weight bytes before and after, and the KV tokens the
-    saved bytes would hold (at this model's KV bytes per token)."""
+    saved bytes would hold (at this model's KV bytes per token). A block
+    scheme (``q4``, ``w4a8``) that saved nothing also logs
+    ``quantization_no_blocks``: it serves a GGUF's own blocks and keeps float
+    tensors float, so on a float checkpoint (an F16 GGUF) it quantized
+    nothing, which the user should not have to infer from a 0."""
+    from kvserve.model.quantization import BLOCK_SCHEMES
+
     saved = float_bytes - weights_bytes
+    if scheme in BLOCK_SCHEMES and saved <= 0:
+        log.warning("quantization_no_blocks", quantization=scheme,
+                    message=f"-q {scheme} quantized nothing: it serves a GGUF's own Q4/Q8 blocks "
+                            "and keeps float tensors float, and this checkpoint's weights are "
+                            "float; -q int8 or w8a8 quantize float weights, or serve a "
+                            "quantized GGUF")
     tokens = max(saved, 0) // model.kv_bytes_per_token(dtype_bytes, kv_cache_dtype)
     log.info("quantization", message=f"Quantization {scheme}: weights {float_bytes / 2**20:,.1f} "
              f"MiB -> {weights_bytes / 2**20:,.1f} MiB; the {saved / 2**20:,.1f} MiB saved hold "

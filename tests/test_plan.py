@@ -382,3 +382,27 @@ def test_parallel_plan_of_the_default_model(default_model_path):
     assert device.kv_bytes_per_token == 2 * 15 * 2 * 64 * 4 == 15_360
     assert plan.kv_tokens == (GIB // (16 * 15_360)) * 16 == 69_904
     assert plan.max_concurrency == 69_904 / 8192
+
+
+def test_a_block_scheme_that_quantized_nothing_says_so():
+    """``-q w4a8`` on a float checkpoint (an F16 GGUF: 4,096.3 MiB before and
+    after, seen on a 1B synthetic file) keeps its weights float; the start-up
+    says so in a warning instead of a line that saves 0.0 MiB. A scheme that
+    saved bytes says nothing more."""
+    from structlog.testing import capture_logs
+
+    from kvserve.config import ModelConfig
+    from kvserve.startup import _log_quantization
+
+    model = ModelConfig(name="m", model_type="llama", vocab_size=32, hidden_size=64,
+                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                        rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=True,
+                        attention_bias=False, bos_token_id=None, eos_token_ids=(0,))
+    with capture_logs() as logs:
+        _log_quantization("w4a8", model, 4096, 4096, 4)
+        _log_quantization("w4a8", model, 4096, 1024, 4)
+        _log_quantization("int8", model, 4096, 4096, 4)
+    events = [e["event"] for e in logs]
+    assert events == ["quantization_no_blocks", "quantization", "quantization", "quantization"]
+    assert "-q w4a8 quantized nothing" in logs[0]["message"]
