@@ -1311,6 +1311,17 @@ MUTANTS_CORE_POLICY = (
            ("tests/core/test_core_request.py",),
            "EOS or a stop token id sampled as the min_tokens-th token does not stop the "
            "request (one token too many)"),
+    Mutant("capacity_reported_every_step", "actors/scheduler.py",
+           (("        changed = capacity != self._reported and self._num_queued > 0",
+             "        changed = capacity != self._reported"),),
+           ("tests/actors/test_admission_protocol.py",),
+           "the scheduler reports its capacity to admission at every step of steady decode, "
+           "with nothing waiting there"),
+    Mutant("preempted_kept_staged", "core/scheduler.py",
+           (("        self._preempted[request.request_id] = None\n", ""),),
+           ("tests/actors/test_scheduler_kv_load_lost.py",),
+           "a preempted request stays staged in the scheduler instead of going back to "
+           "admission, which owns the waiting requests"),
 )
 
 MUTANTS = (MUTANTS + MUTANTS_KV_CPU + MUTANTS_KV_CUDA + MUTANTS_KV_DISK + MUTANTS_KV_DISK_CHECK

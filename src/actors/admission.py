@@ -61,7 +61,7 @@ class AdmissionActor(Actor):
 
     Inbox: ``TokenizedRequest`` (a new request: refused with a 4xx at once,
     or queued), ``CapacityReport`` (the scheduler's room, and requests it
-    hands back), ``AbortRequest`` (from the API, a deadline, or a stop
+    preempted), ``AbortRequest`` (from the API, a deadline, or a stop
     string). Requests leave in ``ReleaseRequests`` messages. The queue's
     order, limits and release rule are ``kvserve.core.admission_queue``;
     this actor only moves messages. It knows which requests it released and
@@ -108,15 +108,11 @@ class AdmissionActor(Actor):
             raise TypeError(f"unexpected message {type(message).__name__}")
 
     def on_error(self, message, exc: Exception) -> None:
-        """A request that could not be queued fails alone; a report that
-        could not be handled is still answered, so the scheduler never waits
-        on admission."""
+        """A request that could not be queued fails alone."""
         if isinstance(message, TokenizedRequest):
             self.detokenizer.send(TokenDelta(
                 request_id=message.request_id, new_token_ids=(), finish_reason="error",
                 num_prompt_tokens=len(message.prompt_token_ids), error=str(exc)))
-        elif isinstance(message, CapacityReport) and message.wants_release:
-            self.scheduler.send(ReleaseRequests((), self.queue.num_waiting, answer=True))
 
     # ------------------------------------------------------------- arrivals
 
@@ -144,7 +140,7 @@ class AdmissionActor(Actor):
                                priority=message.priority, eos_token_ids=self.eos_token_ids,
                                max_model_len=self.max_model_len))
         self._queued(message)
-        self._release(answer=False)
+        self._release()
 
     def _queued(self, message: TokenizedRequest) -> None:
         self.stats.send(RequestQueued(message.request_id, message.parent_id,
@@ -168,20 +164,21 @@ class AdmissionActor(Actor):
             else:  # aborted while it travelled back
                 self._finish_here(request, reason)
         self.queue.requeue(returned)
-        self._release(answer=report.wants_release)
+        self._release()
 
-    def _release(self, answer: bool) -> None:
-        """Send what the scheduler can start, when there is any, when it waits
-        for an answer, or when the queue's length changed (its gauges)."""
+    def _release(self) -> None:
+        """Send what the scheduler can start, when there is any, or the
+        queue's length when it changed (the scheduler's gauges, and whether it
+        reports its capacity)."""
         requests = self.queue.release(self.capacity)
         self.drain.record(time.monotonic(), len(requests),
                           sum(r.num_tokens - r.num_computed_tokens for r in requests))
         waiting = self.queue.num_waiting
-        if not requests and not answer and waiting == self._sent_waiting:
+        if not requests and waiting == self._sent_waiting:
             return
         self.released.update(r.request_id for r in requests)
         self._sent_waiting = waiting
-        self.scheduler.send(ReleaseRequests(tuple(requests), waiting, answer))
+        self.scheduler.send(ReleaseRequests(tuple(requests), waiting))
 
     # --------------------------------------------------------------- aborts
 
@@ -201,7 +198,7 @@ class AdmissionActor(Actor):
             known = None not in counts
             self.scheduler.send(AbortRequest(tuple(forward), message.reason,
                                              tuple(counts) if known else ()))
-        self._release(answer=False)
+        self._release()
 
     def _finish_here(self, request: Request, reason: str) -> None:
         """End a request that never left (or came back to) the queue."""

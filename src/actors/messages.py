@@ -125,30 +125,28 @@ class AdoptBlocks:
 class CapacityReport:
     """The scheduler's capacity, and requests going back (scheduler -> admission).
 
-    ``returned``: waiting requests handed back in service order (preempted,
-    or released but not admitted), keeping their arrival time.
-    ``finished_ids``: requests released earlier that finished since the last
-    report. ``wants_release``: the scheduler waits for a ``ReleaseRequests``
-    answer before it schedules again (sent after a step's results, so the
-    next step can admit what the finished requests freed).
+    Sent when the capacity changed while admission has requests waiting,
+    when released requests finished, or with preempted requests; never
+    answered (the scheduler does not wait on admission). ``returned``:
+    requests preempted since the last report, in service order, keeping
+    their arrival time. ``finished_ids``: requests released earlier that
+    finished since the last report.
     """
 
     capacity: SchedulerCapacity
     returned: tuple[Request, ...] = ()
     finished_ids: tuple[str, ...] = ()
-    wants_release: bool = False
 
 
 @dataclass(frozen=True)
 class ReleaseRequests:
     """Requests the scheduler may start now, in queue order (admission ->
     scheduler). ``num_waiting``: requests still queued in admission (also
-    sent alone, with no requests, when that count changed). ``answer``: this
-    answers a ``CapacityReport`` with ``wants_release``."""
+    sent alone, with no requests, when that count changed: the scheduler
+    reports its capacity only while it is not 0)."""
 
     requests: tuple[Request, ...]
     num_waiting: int
-    answer: bool = False
 
 
 @dataclass(frozen=True)

@@ -52,10 +52,14 @@ class SchedulerActor(Actor):
 
     Its inbox takes ``ReleaseRequests`` (requests admission lets start),
     ``AbortRequest`` (finish early) and ``StepResult`` (the worker finished a
-    step). The waiting queue is admission's: after each step's results the
-    requests still waiting here (preempted, or released but not admitted)
-    go back to it in a ``CapacityReport``, and the next step waits for its
-    answer. After draining the inbox it schedules steps while fewer than
+    step). The waiting queue is admission's and the running requests are
+    this actor's core's; nothing travels between them per step: released
+    requests stay staged here until a step admits them, a preempted request
+    goes back in a ``CapacityReport`` after the step's results, and the
+    capacity goes to admission only when it could change what admission
+    releases (it has requests waiting, or released ones finished). No step
+    ever waits on admission. After draining the inbox it schedules steps
+    while fewer than
     ``SchedulerConfig.max_steps_in_flight`` are in flight and work remains:
     the batch is rebuilt every step (iteration-level scheduling, Yu et al.,
     Orca, OSDI 2022). With async scheduling (two in flight) the worker finds
@@ -89,7 +93,6 @@ class SchedulerActor(Actor):
         self._num_received = 0  # requests released to us so far
         self._num_queued = 0  # requests in admission's queue, as of its last message
         self._finished: list[str] = []  # finished since the last capacity report
-        self._awaiting_release = False
         self._reported: SchedulerCapacity | None = None
         #: Called with (request id, its exported K/V or None if the export
         #: failed) once the worker copied a prefill request's blocks out
@@ -101,12 +104,12 @@ class SchedulerActor(Actor):
 
     def start(self):
         """Start the run loop; admission learns the capacity before any request."""
-        self._report(wants_release=False)
+        self._report(always=True)
         return super().start()
 
     async def run(self) -> None:
-        """Drain the inbox, then launch steps, then tell admission of a change
-        of capacity while no step is in flight (a step's result reports it)."""
+        """Drain the inbox, then launch steps, then tell admission what it
+        needs to know (``_report``)."""
         from kvserve.actors.messages import Stop
 
         while True:
@@ -119,8 +122,7 @@ class SchedulerActor(Actor):
                     break
                 message = self.inbox.get_nowait()
             self._maybe_launch_step()
-            if not self._in_flight and not self._awaiting_release:
-                self._report(wants_release=False, only_if_changed=True)
+            self._report()
 
     async def handle(self, message) -> None:
         if isinstance(message, ReleaseRequests):
@@ -148,10 +150,7 @@ class SchedulerActor(Actor):
         try:
             if self.attach_tier is None:
                 raise ValueError("this scheduler cannot attach an offload tier")
-            kv = self.core.kv_cache_manager
-            previous, tier = kv.external, self.attach_tier(message.path)
-            kv.set_external(tier)
-            for unused in {previous, tier} - {kv.external, None}:
+            for unused in self.core.attach_external(self.attach_tier(message.path)):
                 if hasattr(unused, "close"):  # replaced, or refused (no prefix caching)
                     unused.close()
         except (ValueError, OSError) as exc:
@@ -162,7 +161,7 @@ class SchedulerActor(Actor):
     async def stop(self) -> None:
         """End the loop, then unmap the offload tier's look-up mapping."""
         await super().stop()
-        external = self.core.kv_cache_manager.external
+        external = self.core.external_tier
         if external is not None and hasattr(external, "close"):
             external.close()
 
@@ -193,8 +192,6 @@ class SchedulerActor(Actor):
 
     def _on_release(self, message: ReleaseRequests) -> None:
         """Requests admission lets start; each that cannot be added fails alone."""
-        if message.answer:
-            self._awaiting_release = False
         self._num_queued = message.num_waiting
         self._num_received += len(message.requests)
         for request in message.requests:
@@ -206,17 +203,19 @@ class SchedulerActor(Actor):
                 self._emit([RequestUpdate.of(request)])
         self._refresh_load()
 
-    def _report(self, wants_release: bool, only_if_changed: bool = False,
-                returned: tuple[Request, ...] = ()) -> None:
-        """Send admission a ``CapacityReport`` (with requests handed back and
-        those finished since the last one)."""
+    def _report(self, returned: tuple[Request, ...] = (), always: bool = False) -> None:
+        """Send admission a ``CapacityReport`` when it could change what
+        admission does: requests go back (``returned``, preempted), released
+        ones finished since the last report, or the capacity changed while
+        admission has requests waiting (``always``: at start). In steady
+        decode with nothing waiting it sends nothing."""
         capacity = self.core.capacity(self._num_received)
-        if only_if_changed and capacity == self._reported and not self._finished:
+        changed = capacity != self._reported and self._num_queued > 0
+        if not (always or returned or self._finished or changed):
             return
         self._reported = capacity
         finished, self._finished = tuple(self._finished), []
-        self._awaiting_release = wants_release
-        self.admission.send(CapacityReport(capacity, returned, finished, wants_release))
+        self.admission.send(CapacityReport(capacity, returned, finished))
 
     def _abort(self, message: AbortRequest) -> None:
         """Requests admission released (those handed back meanwhile, admission
@@ -241,14 +240,14 @@ class SchedulerActor(Actor):
 
     def _maybe_launch_step(self) -> None:
         """Schedule and send steps until the in-flight limit or no work."""
-        while (len(self._in_flight) < self.max_in_flight and not self._awaiting_release
+        while (len(self._in_flight) < self.max_in_flight
                and (self.core.has_unfinished_requests() or self.core.has_pending_transfers())):
             t0 = time.perf_counter()
             output = self.core.schedule(self.budget.tokens(self.core.num_running),
                                         num_queued=self._num_queued)
             schedule_seconds = time.perf_counter() - t0
             self.stats.send(StepScheduled(output, self.core.num_running, self.num_waiting,
-                                          self.core.kv_cache_manager.usage, time.monotonic()))
+                                          self.core.kv_usage, time.monotonic()))
             self._report_scheduling(output)
             if output.is_empty:
                 return
@@ -272,7 +271,7 @@ class SchedulerActor(Actor):
         self.log.warning(
             "prefix_cache_divergence", request_id=event.request_id, position=event.position,
             would_hit_tokens=event.would_hit_tokens, hit_tokens=event.hit_tokens,
-            total_divergences=self.core.kv_cache_manager.stats.divergences,
+            total_divergences=self.core.num_divergences,
             message=f"Request {event.request_id} missed the prefix cache at token "
                     f"{event.position}: its prompt differs from a cached one there; "
                     f"{event.would_hit_tokens:,} tokens would have hit "
@@ -306,7 +305,7 @@ class SchedulerActor(Actor):
                 spec = self.core.take_spec_stats()
             self.budget.observe(output.num_batched_tokens, runner_output.forward_seconds)
         transfer = self._finish_exports(output, runner_output)
-        self._hand_back()
+        self._return_preempted()
         self.stats.send(StepFinished(
             output, result.start, result.end,
             self._step_times(step, runner_output, time.perf_counter() - t0), spec,
@@ -325,15 +324,14 @@ class SchedulerActor(Actor):
                 self.on_kv_export(request_id, exported.get(request_id))
         return transfer
 
-    def _hand_back(self) -> None:
-        """After a step's results: every request still staged here goes back
-        to admission (no step in flight holds a preempted one now), which
-        answers with what to start next; the next step waits for that answer
-        unless admission's queue is empty."""
-        returned = tuple(self.core.hand_back())
-        wants = bool(returned or self._num_queued)
-        self._num_queued += len(returned)
-        self._report(wants_release=wants, returned=returned)
+    def _return_preempted(self) -> None:
+        """After a step's results (no step in flight holds a preempted
+        request now): the requests preempted since go back to admission,
+        which owns the waiting ones. Nothing waits for an answer."""
+        returned = tuple(self.core.take_preempted())
+        if returned:
+            self._num_queued += len(returned)
+            self._report(returned=returned)
 
     @staticmethod
     def _step_times(step: _InFlight, runner_output, emit_seconds: float) -> StepTimes:
@@ -353,7 +351,7 @@ class SchedulerActor(Actor):
         self.stall.on_load(time.monotonic(), bool(
             self.core.num_running or self.num_waiting or self._in_flight))
         self.stats.send(LoadReport(self.core.num_running, self.num_waiting,
-                                   self.core.kv_cache_manager.usage))
+                                   self.core.kv_usage))
 
     @property
     def num_waiting(self) -> int:
@@ -368,9 +366,7 @@ class SchedulerActor(Actor):
         block but those of running requests (a step that found the loss and
         ran only fresh prompts wrote theirs anew), so no later request reads
         a lost block through a prefix-cache hit. Logs ``kv_cache_lost``."""
-        manager = self.core.kv_cache_manager
-        held = {b for r in self.core.running for b in manager.get_block_ids(r.request_id)}
-        manager.evict_hashes(b for b in range(manager.pool.num_blocks) if b not in held)
+        self.core.forget_cached_blocks()
         self.log.error("kv_cache_lost", error=error,
                        message="The worker lost its KV cache (a pipeline stage restarted): "
                                "every cached block forgotten"
@@ -380,7 +376,7 @@ class SchedulerActor(Actor):
         """A step raised: fail its requests, and those of the step in flight
         behind it that read its blocks through a prefix-cache hit; forget the
         prefix-cache hashes of the blocks it was writing; carry on."""
-        self.core.kv_cache_manager.evict_hashes(output.written_block_ids)
+        self.core.forget_written_blocks(output)
         ids = tuple(r.request_id for r in output.scheduled)
         ids += tuple(rid for later in self._in_flight
                      for rid in _hits_on(later.output, output.written_block_ids,
@@ -403,12 +399,12 @@ class SchedulerActor(Actor):
         stage that dies at every step must not hold it forever). Logs
         ``request_preempted`` for each restarted."""
         core = self.core
-        core.kv_cache_manager.evict_hashes(output.written_block_ids)
+        core.forget_written_blocks(output)
         ids = [r.request_id for r in output.scheduled]
         ids += [rid for later in self._in_flight
                 for rid in _hits_on(later.output, output.written_block_ids, core.block_size)]
         if everyone:
-            ids += [r.request_id for r in core.running]
+            ids += core.running_ids()
         ids = list(dict.fromkeys(ids))
         spent = [rid for rid in ids if (r := core.get_request(rid)) is not None
                  and r.num_kv_restarts >= MAX_KV_RESTARTS]

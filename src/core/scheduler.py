@@ -54,11 +54,12 @@ that will propose draft-model drafts gets that many lookahead slots
 they stay in the request's table and are freed with it.
 
 The waiting queue is admission's (``core.admission_queue``): it orders the
-waiting requests and releases what this scheduler can start. Released
-requests are *staged* here (``staged``, in the policy's order) until a step
-admits them; those it could not admit, and those it preempts, are handed
-back (``hand_back``) after the step's results, when no step in flight holds
-a preempted one (see above).
+waiting requests and releases what this scheduler reports room for.
+Released requests are *staged* here (``staged``, in the policy's order)
+until a step admits them, and stay staged until it can: nothing goes back
+to admission per step. A request goes back only when it is preempted
+(``take_preempted``), after the step's results, when no step in flight
+holds it (see above).
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ class Scheduler:
         self._spec_stats = SpecDecodingStats()
         self._num_requests_at_step_start = 0  # running + staged when schedule() began
         self._num_queued = 0  # admission's waiting requests, as schedule() was told
+        self._preempted: dict[str, None] = {}  # preempted, not handed back yet (ordered set)
 
     # ----------------------------------------------------------- bookkeeping
 
@@ -167,6 +169,47 @@ class Scheduler:
         return bool(self._unsent_export_ids or self._pending_loads
                     or self.kv_cache_manager.pool.stored)
 
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV cache's blocks in use (0..1), for the gauges."""
+        return self.kv_cache_manager.usage
+
+    @property
+    def num_divergences(self) -> int:
+        """Prefix-cache divergences found so far (the cache-miss explainer)."""
+        return self.kv_cache_manager.stats.divergences
+
+    @property
+    def external_tier(self):
+        """The offload tier block look-ups consult (an ``ExternalKV``), or None."""
+        return self.kv_cache_manager.external
+
+    def attach_external(self, tier) -> list:
+        """Consult ``tier`` (an ``ExternalKV``) for block look-ups from now
+        on; returns the tiers no longer used (the previous one, or ``tier``
+        itself when the cache refuses it: no prefix caching), for the
+        caller to close."""
+        manager = self.kv_cache_manager
+        previous = manager.external
+        manager.set_external(tier)
+        return [t for t in (previous, tier) if t is not None and t is not manager.external]
+
+    def running_ids(self) -> list[str]:
+        """Ids of the running requests, in admission order."""
+        return [r.request_id for r in self.running]
+
+    def forget_cached_blocks(self) -> None:
+        """Forget the prefix-cache hashes of every block no running request
+        holds (the worker lost its cache: no later request may hit one)."""
+        manager = self.kv_cache_manager
+        held = {b for r in self.running for b in manager.get_block_ids(r.request_id)}
+        manager.evict_hashes(b for b in range(manager.pool.num_blocks) if b not in held)
+
+    def forget_written_blocks(self, output: SchedulerOutput) -> None:
+        """Forget the prefix-cache hashes of the blocks ``output`` was to
+        write (its step failed, or lost K/V it read)."""
+        self.kv_cache_manager.evict_hashes(output.written_block_ids)
+
     def get_request(self, request_id: str) -> Request | None:
         """The live (unfinished) request with this id, or None."""
         return self.requests.get(request_id)
@@ -188,20 +231,23 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.staged.add(request)
 
-    def hand_back(self) -> list[Request]:
-        """Hand every staged request (released and not admitted, or
-        preempted) back to the caller (admission, which owns the waiting
-        queue), in service order, and forget them here.
+    def take_preempted(self) -> list[Request]:
+        """The requests preempted since the last call and still staged (not
+        admitted again meanwhile), in service order, forgotten here: they go
+        back to admission, which owns the waiting requests. Released requests
+        that are merely waiting for room stay staged.
 
-        Call it only when no step in flight holds a preempted one (after
+        Call it only when no step in flight holds one of them (after a step's
         ``update_from_output``, with at most two steps in flight: see the
         module docstring), since their sampled tokens would be dropped.
         """
-        taken = []
-        while self.staged:
-            request = self.staged.pop()
+        if not self._preempted:
+            return []
+        preempted, self._preempted = self._preempted, {}
+        taken = [r for r in self.staged if r.request_id in preempted]
+        self.staged.remove([r.request_id for r in taken])
+        for request in taken:
             del self.requests[request.request_id]
-            taken.append(request)
         return taken
 
     def capacity(self, released_seen: int = 0) -> SchedulerCapacity:
@@ -540,6 +586,7 @@ class Scheduler:
             request.spec.draft_token_ids = []
         request.num_preemptions += 1
         self.staged.prepend(request)
+        self._preempted[request.request_id] = None
         self._finished_ids[request.request_id] = None
         return num_freed
 

@@ -35,26 +35,27 @@ def handle(actor, message):
     asyncio.run(actor.handle(message))
 
 
-def report(free_seqs, released_seen, returned=(), finished=(), wants=False, running=1):
+def report(free_seqs, released_seen, returned=(), finished=(), running=1):
     capacity = SchedulerCapacity(free_seqs=free_seqs, free_blocks=100, num_running=running,
                                  released_seen=released_seen)
-    return CapacityReport(capacity, tuple(returned), tuple(finished), wants)
+    return CapacityReport(capacity, tuple(returned), tuple(finished))
 
 
 def released(scheduler):
     return [r.request_id for m in scheduler.take(ReleaseRequests) for r in m.requests]
 
 
-def test_queues_then_releases_on_capacity_and_answers_when_asked():
+def test_queues_then_releases_on_capacity_and_never_answers_a_report():
+    """Issue 49 item 1: a report with no room gets no message back (the
+    scheduler does not wait on admission); room releases what fits."""
     actor, stats, scheduler, detokenizer = make_actor()
     handle(actor, report(free_seqs=1, released_seen=0))
     assert isinstance(arrive(actor, detokenizer, "a"), RequestAccepted)
     assert [m.request_id for m in stats.take(RequestQueued)] == ["a"]
     arrive(actor, detokenizer, "b")
     assert released(scheduler) == ["a"]  # one slot
-    handle(actor, report(free_seqs=0, released_seen=1, wants=True))
-    (answer,) = scheduler.take(ReleaseRequests)
-    assert answer.answer and answer.requests == () and answer.num_waiting == 1
+    handle(actor, report(free_seqs=0, released_seen=1))
+    assert scheduler.take(ReleaseRequests) == []
     handle(actor, report(free_seqs=1, released_seen=1, finished=["a"]))
     assert released(scheduler) == ["b"] and actor.released == {"b"}
 

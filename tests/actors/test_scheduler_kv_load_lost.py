@@ -106,7 +106,7 @@ def test_a_lost_cache_restarts_every_running_request_until_it_keeps_failing():
             assert [r.request_id for r in report.returned] == ["r"]
             assert [e["reason"] for e in logs if e["event"] == "request_preempted"] == [
                 "kv_cache_lost"]
-            actor._on_release(ReleaseRequests(report.returned, 0, answer=True))  # admission's
+            actor._on_release(ReleaseRequests(report.returned, 0))  # admission's
             actor._in_flight.clear()  # the step behind it: void, and not waited for here
             worker.received.clear()
             actor._maybe_launch_step()
