@@ -1258,7 +1258,7 @@ MUTANTS_CORE_POLICY = (
            ("tests/core/test_core_kv_transfer.py",),
            "a request restarted after a lost KV load keeps the token a step in flight computed "
            "from the bad K/V"),
-    Mutant("free_queue_evicts_newest_cached", "core/kv_cache_manager.py",
+    Mutant("free_queue_evicts_newest_cached", "core/block_pool.py",
            (("                else:\n                    self.free_queue.append(block)",
              "                else:\n                    self.free_queue.appendleft(block)"),),
            ("tests/core/test_core_kv_cache_manager.py",),

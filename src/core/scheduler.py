@@ -71,11 +71,12 @@ from ..config import SchedulerConfig
 from .admission_queue import SchedulerCapacity
 from .kv_cache_manager import KVCacheManager, cdiv
 from .kv_transfer import BlockTransfer
+from .kv_transfer_book import KVTransferBook
 from .outputs import (NewRequestData, PreemptionEvent, PrefixCacheDivergence, RequestUpdate,
                       ScheduledRequest, SchedulerOutput)
 from .request import FinishReason, Request, RequestStatus, check_stop
 from .request_queue import create_queue, priority_key
-from .spec_decode import SpecDecodingStats, SpecState, may_speculate, propose_ngram
+from .spec_decode import SpecDecodingStats, SpecState, draft_tokens, may_speculate
 
 
 @dataclass
@@ -128,13 +129,8 @@ class Scheduler:
         # request id -> length of its block table the runner has (deltas)
         self._blocks_sent: dict[str, int] = {}
         self._step_id = 0
-        # KV transfers (``kv_transfer``): exports not sent to the runner yet,
-        # exports sent and holding their blocks (request id -> blocks), and
-        # loads of adopted blocks for the next step.
-        self._unsent_exports: list[BlockTransfer] = []
-        self._unsent_export_ids: list[str] = []
-        self._exporting: set[str] = set()
-        self._pending_loads: list[BlockTransfer] = []
+        #: KV transfers (exports, adopted blocks' loads) for the next step.
+        self.transfers = KVTransferBook(kv_cache_manager)
         #: Speculative decoding counts since the last ``take_spec_stats``.
         self._spec_stats = SpecDecodingStats()
         self._num_requests_at_step_start = 0  # running + staged when schedule() began
@@ -166,7 +162,7 @@ class Scheduler:
         """True while KV blocks wait to be copied (exports, adopted blocks
         to load, computed blocks to save in the offload tier): a step must
         run even if no request computes."""
-        return bool(self._unsent_export_ids or self._pending_loads
+        return bool(self.transfers.pending
                     or self.kv_cache_manager.pool.stored)
 
     @property
@@ -290,7 +286,7 @@ class Scheduler:
         request.error = error
         self._blocks_sent.pop(request.request_id, None)
         self.kv_cache_manager.release_adopted(request.request_id)
-        if not self._export(request):
+        if not self.transfers.export(request):
             self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids[request.request_id] = None
@@ -298,65 +294,15 @@ class Scheduler:
 
     # ---------------------------------------------------------- KV transfer
 
-    def _export(self, request: Request) -> bool:
-        """If ``request`` asked to export its KV (``export_kv``, a prefill
-        replica's half of a disaggregated request) and finished well, queue
-        its export (``kv_export_ids``; a prompt shorter than a block exports
-        none) and its full prompt blocks for the runner to copy out, held
-        until ``release_exports``. Returns True if it holds blocks."""
-        ok = request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
-        if not (request.sampling_params.export_kv and ok):
-            return False
-        manager = self.kv_cache_manager
-        manager.update_block_hashes(request)
-        num_full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
-        num_full = min(num_full, len(request.block_hashes))
-        block_ids = manager.get_block_ids(request.request_id, 0, num_full)
-        self._unsent_export_ids.append(request.request_id)
-        if not block_ids:
-            return False
-        self._unsent_exports += [BlockTransfer(request.request_id, block_id, block_hash)
-                                 for block_id, block_hash in zip(block_ids, request.block_hashes)]
-        self._exporting.add(request.request_id)
-        return True
-
     def release_exports(self, request_ids: Iterable[str]) -> None:
         """The runner copied these requests' exported blocks (or failed to):
-        free them. Unknown ids are ignored."""
-        for request_id in request_ids:
-            if request_id in self._exporting:
-                self._exporting.discard(request_id)
-                self.kv_cache_manager.free(request_id)
+        free them (``KVTransferBook.release``)."""
+        self.transfers.release(request_ids)
 
     def adopt_blocks(self, request_id: str, block_hashes: Sequence[bytes]) -> list[BlockTransfer]:
-        """Adopt a prefill replica's blocks for ``request_id`` (full blocks of
-        its prompt, in order): each hash the cache lacks gets a free block,
-        registered under it; those already cached are kept. All are held
-        until the request is admitted or finished; the next step loads the
-        new blocks' K/V, so the admission finds the chain as prefix-cache
-        hits. Returns the loads queued (fewer than the hashes when blocks
-        are cached already or none is free)."""
-        blocks = self.kv_cache_manager.adopt(request_id, block_hashes)
-        loads = [BlockTransfer(request_id, b.block_id, b.block_hash) for b in blocks]
-        self._pending_loads += loads
-        return loads
-
-    def _take_transfers(self, step: _Step) -> tuple[tuple, tuple, tuple, tuple]:
-        """The step's saves (blocks computed by earlier steps, and blocks
-        evicted now), exports and loads. A pending load whose block was
-        evicted since (its request left before the load ran) is dropped,
-        and so is the save of that block: it holds nothing yet."""
-        pool = self.kv_cache_manager.pool
-        pending = [load for load in self._pending_loads
-                   if pool.blocks[load.block_id].block_hash == load.block_hash]
-        unloaded = {load.block_id for load in self._pending_loads}
-        evicted = [save for save in self.kv_cache_manager.take_evicted()
-                   if save.block_id not in unloaded]
-        saves = tuple({save.block_hash: save for save in step.stored + evicted}.values())
-        loads = tuple(pending + step.loads)
-        exports, self._unsent_exports, self._pending_loads = tuple(self._unsent_exports), [], []
-        export_ids, self._unsent_export_ids = tuple(self._unsent_export_ids), []
-        return saves, exports, export_ids, loads
+        """Adopt a prefill replica's blocks for ``request_id``; the next step
+        loads them (``KVTransferBook.adopt``). Returns the loads queued."""
+        return self.transfers.adopt(request_id, block_hashes)
 
     # -------------------------------------------------------------- schedule
 
@@ -501,24 +447,8 @@ class Scheduler:
         return limit is not None and self._num_requests_at_step_start >= limit
 
     def _draft(self, request: Request, budget: int, limit: int) -> list[int]:
-        """The draft of a decoding request -- its n-gram lookup, or the draft
-        model's proposal that came back with its latest token -- no longer
-        than the budget, its ``max_tokens`` and the context length leave room
-        for (the step also computes its last known token and samples one past
-        the drafts)."""
-        spec = self.config.speculative
-        max_tokens = request.sampling_params.max_tokens
-        room = min(spec.num_speculative_tokens, budget - 1, limit - request.num_tokens - 1)
-        if max_tokens is not None:
-            room = min(room, max_tokens - request.num_output_tokens - 1)
-        if spec.uses_draft_model:  # proposed by the worker with the latest token
-            drafts, request.spec.draft_token_ids = request.spec.draft_token_ids, []
-            return drafts[:max(room, 0)]
-        drafts = propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min,
-                               spec.prompt_lookup_max)
-        if not drafts:
-            request.spec.record(0, 0)  # a step run alone for nothing: the off switch counts it
-        return drafts
+        """The draft of a decoding request (``spec_decode.draft_tokens``)."""
+        return draft_tokens(request, self.config.speculative, budget, limit)
 
     def take_spec_stats(self) -> SpecDecodingStats:
         """Speculative decoding counts since the last call (of the steps
@@ -712,7 +642,7 @@ class Scheduler:
         num_batched = sum(s.num_tokens for s in scheduled)
         finished = tuple(self._finished_ids)
         self._finished_ids.clear()
-        saves, exports, export_ids, loads = self._take_transfers(step)
+        saves, exports, export_ids, loads = self.transfers.take(step.stored, step.loads)
         stats = self.kv_cache_manager.stats
         return SchedulerOutput(
             step_id=self._step_id, scheduled=tuple(scheduled),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .request import Request
 from .sampling_params import SamplingParams
 
 #: The off switch: a request stops speculating when, over its last
@@ -124,3 +125,25 @@ class SpecDecodingStats:
         """Tokens a speculative step emits on average: 1 + accepted per draft
         (vLLM's "mean acceptance length"); 0.0 before any draft."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def draft_tokens(request: Request, spec, budget: int, limit: int) -> list[int]:
+    """The draft of a decoding ``request`` -- its n-gram lookup, or the draft
+    model's proposal that came back with its latest token -- no longer than
+    ``budget`` (tokens left in the step), its ``max_tokens`` and the context
+    length ``limit`` leave room for (the step also computes its last known
+    token and samples one past the drafts). ``spec``: the scheduler's
+    ``SpeculativeConfig``. A lookup that finds nothing counts as a step with
+    no accepted draft for the request's off switch."""
+    max_tokens = request.sampling_params.max_tokens
+    room = min(spec.num_speculative_tokens, budget - 1, limit - request.num_tokens - 1)
+    if max_tokens is not None:
+        room = min(room, max_tokens - request.num_output_tokens - 1)
+    if spec.uses_draft_model:  # proposed by the worker with the latest token
+        drafts, request.spec.draft_token_ids = request.spec.draft_token_ids, []
+        return drafts[:max(room, 0)]
+    drafts = propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min,
+                           spec.prompt_lookup_max)
+    if not drafts:
+        request.spec.record(0, 0)  # a step run alone for nothing: the off switch counts it
+    return drafts

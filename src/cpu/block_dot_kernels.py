@@ -172,6 +172,25 @@ def _load_bytes(builder, base, offset, n):
     return builder.load(ptr, align=1)
 
 
+def _row_sums(builder, accs, tails, chains):
+    """Each row's float32 result: its accumulator vectors (``chains`` of
+    them, 1 or 2) added, summed across the 8 lanes pairwise, plus its
+    scalar tail (q4_1's mins term)."""
+    sums = []
+    for acc, tail in zip(accs, tails):
+        v = builder.load(acc[0])
+        if chains == 2:
+            v = builder.fadd(v, builder.load(acc[1]))
+        for width in (4, 2, 1):  # pairwise horizontal sum
+            lo = builder.shuffle_vector(v, v, ir.Constant(_vec(_i32, width),
+                                                          list(range(width))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(_vec(_i32, width),
+                                                          list(range(width, 2 * width))))
+            v = builder.fadd(lo, hi)
+        sums.append(builder.fadd(builder.extract_element(v, _i32(0)), builder.load(tail)))
+    return sums
+
+
 def _dot_codegen(kind, rows):
     """Codegen of the dot products of weight row ``n`` with activation rows
     ``m .. m + rows - 1``: ``sum_b d[n, b] * xd[r, b] * I_b (+ sum_b
@@ -260,19 +279,7 @@ def _dot_codegen(kind, rows):
         odd = builder.icmp_unsigned("!=", builder.and_(nb, one), nb.type(0))
         with builder.if_then(odd):
             block(builder.sub(nb, one), 0)
-        sums = []
-        for r in range(rows):
-            v = builder.load(accs[r][0])
-            if chains == 2:
-                v = builder.fadd(v, builder.load(accs[r][1]))
-            for width in (4, 2, 1):  # pairwise horizontal sum
-                lo = builder.shuffle_vector(v, v, ir.Constant(_vec(_i32, width),
-                                                              list(range(width))))
-                hi = builder.shuffle_vector(v, v, ir.Constant(_vec(_i32, width),
-                                                              list(range(width, 2 * width))))
-                v = builder.fadd(lo, hi)
-            sums.append(builder.fadd(builder.extract_element(v, _i32(0)),
-                                     builder.load(tails[r])))
+        sums = _row_sums(builder, accs, tails, chains)
         if rows == 1:
             return sums[0]
         return context.make_tuple(builder, sig.return_type, sums)

@@ -306,6 +306,220 @@ def _vec(t, n):
     return ir.VectorType(t, n)
 
 
+class _KTileEmitter:
+    """Emits the LLVM IR of one K-quant tile (``_ktile_codegen``): the
+    arrays' row pointers and constants once, then one super-block loop per
+    kind and dot form, then the store of the accumulators."""
+
+    def __init__(self, rows: int, context, builder, sig, args) -> None:
+        L = KLANES
+        self.rows, self.builder, self.args = rows, builder, args
+
+        def array(i):
+            return context.make_array(sig.args[i])(context, builder, args[i])
+
+        codes, scales, mins, dd, xq, xd, bsums, out = (array(i) for i in range(8))
+        m, n0 = args[8], args[9]
+        self.i64 = i64 = m.type
+        panel = builder.udiv(n0, i64(L))
+        self.c_row, self.s_row, self.m_row, self.d_row = (
+            self._row(a, panel) for a in (codes, scales, mins, dd))
+        ms = [builder.add(m, i64(r)) for r in range(rows)]
+        self.x_rows, self.xd_rows, self.bs_rows = (
+            [self._row(a, r) for r in ms] for a in (xq, xd, bsums))
+        self.out_rows = lambda: [self._row(out, r) for r in ms]
+        self.n0 = n0
+        self.nsb = builder.extract_value(xd.shape, 1)
+        self.vbytes, self.vint, self.vfloat = _vec(_i8, 4 * L), _vec(_i32, L), _vec(_f32, L)
+        self.v16b = _vec(_i8, L)
+        vfloat = self.vfloat
+        self.fmuladd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vfloat, [vfloat] * 3), f"llvm.fmuladd.v{L}f32")
+        self.prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_i8.as_pointer(), _i32, _i32, _i32]),
+            "llvm.prefetch.p0i8")
+        self.accs = [cgutils.alloca_once_value(builder, ir.Constant(vfloat, [0.0] * L))
+                     for _ in range(rows)]
+        self.zero = ir.Constant(self.vint, [0] * L)
+        self.low_mask = ir.Constant(self.vbytes, [15] * 4 * L)
+        self.four = ir.Constant(self.vbytes, [4] * 4 * L)
+        self.top_mask = ir.Constant(self.vbytes, [0x30] * 4 * L)
+
+    def _row(self, a, r):  # pointer to row r of a C-contiguous 2-D array
+        builder = self.builder
+        return builder.gep(a.data, [builder.mul(r, builder.extract_value(a.shape, 1))])
+
+    def x_splat(self, r, s, value):
+        """Activation bytes value .. value + 3 of super-block s, row r, in every lane."""
+        builder, i64 = self.builder, self.i64
+        off = builder.add(builder.mul(s, i64(QK_K)), i64(value))
+        ptr = builder.bitcast(builder.gep(self.x_rows[r], [off]), _i32.as_pointer())
+        return _splat_value(builder, builder.load(ptr, align=1), KLANES)
+
+    def lane_bytes(self, base_row, s, per_sb, j, signed):
+        """<16 x i32> of the 16 bytes (one a lane) of group j of super-block s."""
+        builder, i64 = self.builder, self.i64
+        off = builder.add(builder.mul(s, i64(per_sb * KLANES)), i64(j * KLANES))
+        ptr = builder.bitcast(builder.gep(base_row, [off]), self.v16b.as_pointer())
+        raw = builder.load(ptr, align=1)
+        return (builder.sext if signed else builder.zext)(raw, self.vint)
+
+    def bsum(self, r, s, first, count):
+        """Sum of bsums[r][16 s + first ...] (count of them) as i32."""
+        builder, i64 = self.builder, self.i64
+        total = None
+        for t in range(count):
+            idx = builder.add(builder.mul(s, i64(16)), i64(first + t))
+            value = builder.load(builder.gep(self.bs_rows[r], [idx]))
+            total = value if total is None else builder.add(total, value)
+        return total
+
+    def load_codes(self, kind, s, group):
+        """The 4 x 16 code bytes of ``group`` in super-block s."""
+        builder, i64 = self.builder, self.i64
+        code_bytes = _LAYOUT[kind][0]
+        off = builder.add(builder.mul(s, i64(code_bytes * KLANES)), i64(group * 4 * KLANES))
+        ptr = builder.bitcast(builder.gep(self.c_row, [off]), self.vbytes.as_pointer())
+        return builder.load(ptr, align=1)
+
+    def prefetch_ahead(self, kind, s):
+        """The codes of the super-block PREFETCH_AHEAD on, a cache line at a
+        time (a hint: past the end of the array it is dropped)."""
+        builder, i64 = self.builder, self.i64
+        code_bytes = _LAYOUT[kind][0]
+        ahead = builder.mul(builder.add(s, i64(PREFETCH_AHEAD)), i64(code_bytes * KLANES))
+        for line in range(0, code_bytes * KLANES, 64):
+            ptr = builder.gep(self.c_row, [builder.add(ahead, i64(line))])
+            builder.call(self.prefetch, [ptr, _i32(0), _i32(3), _i32(1)])
+
+    def scale_sub(self, kind, s, j, sums, isum, msum):
+        """Scale sub-block j's integer sums into ``isum`` (Q6_K: its codes'
+        offset of 32 taken out first) and, for kinds with mins, add its
+        mins times the activations' block sums into ``msum``."""
+        builder, rows = self.builder, self.rows
+        nsub = _LAYOUT[kind][1]
+        sc = self.lane_bytes(self.s_row, s, nsub, j, kind == Q6_K)
+        for r in range(rows):
+            if kind == Q6_K:
+                off = builder.mul(self.bsum(r, s, j, 1), _i32(32))
+                sums[r] = builder.sub(sums[r], _splat_value(builder, off, KLANES))
+            isum[r] = builder.add(isum[r], builder.mul(sc, sums[r]))
+        if kind != Q6_K:
+            mn = self.lane_bytes(self.m_row, s, 8, j, False)
+            for r in range(rows):
+                b = _splat_value(builder, self.bsum(r, s, 2 * j, 2), KLANES)
+                msum[r] = builder.add(msum[r], builder.mul(mn, b))
+
+    def q6k_sums(self, s, dot4, isum, msum):
+        """Q6_K: low nibbles with two high bits each, 16 sub-blocks."""
+        builder, rows, zero, L = self.builder, self.rows, self.zero, KLANES
+        for k in range(4):
+            sums = [[zero] * rows for _ in range(4)]  # sub-blocks 4k .. 4k + 3
+            high = [[self.load_codes(Q6_K, s, 32 + (2 * k + h) * 2 + q) for q in range(2)]
+                    for h in range(2)]
+            for g in range(8):
+                both = self.load_codes(Q6_K, s, 8 * k + g)
+                q, i = g // 4, g % 4
+                for h, nib in ((0, builder.and_(both, self.low_mask)),
+                               (1, builder.lshr(both, self.four))):
+                    shift = 4 - 2 * i
+                    bits = high[h][q]
+                    if shift > 0:
+                        bits = builder.shl(bits, ir.Constant(self.vbytes, [shift] * 4 * L))
+                    elif shift < 0:
+                        bits = builder.lshr(bits, ir.Constant(self.vbytes, [-shift] * 4 * L))
+                    code = builder.bitcast(builder.or_(
+                        nib, builder.and_(bits, self.top_mask)), self.vint)
+                    sub = 2 * h + q
+                    for r in range(rows):
+                        sums[sub][r] = dot4(builder, sums[sub][r], code,
+                                            self.x_splat(r, s, 64 * k + 32 * h + 4 * g), L)
+            for sub in range(4):
+                self.scale_sub(Q6_K, s, 4 * k + sub, sums[sub], isum, msum)
+
+    def q4k_sums(self, s, dot4, isum, msum):
+        """Q4_K: two nibbles a byte, the low ones one sub-block, the high ones the next."""
+        builder, rows, zero = self.builder, self.rows, self.zero
+        for k in range(4):
+            lo_sums, hi_sums = [zero] * rows, [zero] * rows
+            for g in range(8):
+                both = self.load_codes(Q4_K, s, 8 * k + g)
+                lo = builder.bitcast(builder.and_(both, self.low_mask), self.vint)
+                hi = builder.bitcast(builder.lshr(both, self.four), self.vint)
+                for r in range(rows):
+                    lo_sums[r] = dot4(builder, lo_sums[r], lo,
+                                      self.x_splat(r, s, 64 * k + 4 * g), KLANES)
+                    hi_sums[r] = dot4(builder, hi_sums[r], hi,
+                                      self.x_splat(r, s, 64 * k + 32 + 4 * g), KLANES)
+            self.scale_sub(Q4_K, s, 2 * k, lo_sums, isum, msum)
+            self.scale_sub(Q4_K, s, 2 * k + 1, hi_sums, isum, msum)
+
+    def byte_code_sums(self, kind, s, dot4, isum, msum):
+        """Q5_K: a whole byte a code, sub-block after sub-block."""
+        builder, rows = self.builder, self.rows
+        nsub = _LAYOUT[kind][1]
+        per_sub = QK_K // nsub // 4  # groups of 4 values per sub-block
+        for j in range(nsub):
+            sums = [self.zero] * rows
+            for g in range(per_sub):
+                group = j * per_sub + g
+                w = builder.bitcast(self.load_codes(kind, s, group), self.vint)
+                for r in range(rows):
+                    sums[r] = dot4(builder, sums[r], w, self.x_splat(r, s, 4 * group), KLANES)
+            self.scale_sub(kind, s, j, sums, isum, msum)
+
+    def accumulate(self, kind, s, isum, msum):
+        """accs[r] += d * xd[r, s] * isum[r] (- dmin * xd[r, s] * msum[r])."""
+        builder, i64, vfloat = self.builder, self.i64, self.vfloat
+        dptr = builder.gep(self.d_row, [builder.mul(s, i64(2 * KLANES))])
+        dvec = builder.load(builder.bitcast(dptr, vfloat.as_pointer()), align=4)
+        mvec = builder.load(builder.bitcast(builder.gep(dptr, [i64(KLANES)]),
+                                            vfloat.as_pointer()), align=4)
+        for r in range(self.rows):
+            xds = _splat_value(builder, builder.load(builder.gep(self.xd_rows[r], [s])), KLANES)
+            acc = builder.call(self.fmuladd, [builder.sitofp(isum[r], vfloat),
+                                              builder.fmul(dvec, xds), builder.load(self.accs[r])])
+            if kind != Q6_K:
+                acc = builder.call(self.fmuladd, [builder.sitofp(msum[r], vfloat),
+                                                  builder.fmul(mvec, xds), acc])
+            builder.store(acc, self.accs[r])
+
+    def superblock_loop(self, kind, dot4):
+        """The loop over the row's super-blocks for one kind and dot form."""
+        with cgutils.for_range(self.builder, self.nsb) as loop:
+            s = loop.index
+            isum = [self.zero] * self.rows
+            msum = [self.zero] * self.rows
+            self.prefetch_ahead(kind, s)
+            if kind == Q6_K:
+                self.q6k_sums(s, dot4, isum, msum)
+            elif kind == Q4_K:
+                self.q4k_sums(s, dot4, isum, msum)
+            else:
+                self.byte_code_sums(kind, s, dot4, isum, msum)
+            self.accumulate(kind, s, isum, msum)
+
+    def all_kinds(self, form):
+        """One loop per kind, chosen by the ``kind`` argument at run time."""
+        builder, kind_arg = self.builder, self.args[10]
+        with builder.if_else(builder.icmp_signed("==", kind_arg, kind_arg.type(Q4_K))) \
+                as (q4k, other):
+            with q4k:
+                self.superblock_loop(Q4_K, DOT4[form])
+            with other:
+                with builder.if_else(builder.icmp_signed("==", kind_arg,
+                                                         kind_arg.type(Q5_K))) as (q5k, q6k):
+                    with q5k:
+                        self.superblock_loop(Q5_K, DOT4[form])
+                    with q6k:
+                        self.superblock_loop(Q6_K, DOT4[form])
+
+    def emit(self):
+        """The whole tile: the loops of every dot form, then the store."""
+        emit_dot_forms(self.builder, self.args[11], self.all_kinds)
+        store_tile(self.builder, self.out_rows(), self.n0, self.accs)
+
+
 def _ktile_codegen(rows: int):
     """Codegen of ``out[m + r, n0 : n0 + 16] = x[m + r] @ W[n0 : n0 + 16].T``.
 
@@ -313,169 +527,9 @@ def _ktile_codegen(rows: int):
     dot), as :func:`kquant_range` takes them; ``rows`` is fixed here, the
     kind and the dot form are switched on at run time (one loop each).
     """
-    L = KLANES
 
     def codegen(context, builder, sig, args):
-        def array(i):
-            return context.make_array(sig.args[i])(context, builder, args[i])
-
-        def row(a, r):  # pointer to row r of a C-contiguous 2-D array
-            return builder.gep(a.data, [builder.mul(r, builder.extract_value(a.shape, 1))])
-
-        codes, scales, mins, dd, xq, xd, bsums, out = (array(i) for i in range(8))
-        m, n0 = args[8], args[9]
-        i64 = m.type
-        panel = builder.udiv(n0, i64(L))
-        c_row, s_row, m_row, d_row = (row(a, panel) for a in (codes, scales, mins, dd))
-        ms = [builder.add(m, i64(r)) for r in range(rows)]
-        x_rows, xd_rows, bs_rows = ([row(a, r) for r in ms] for a in (xq, xd, bsums))
-        nsb = builder.extract_value(xd.shape, 1)
-        vbytes, vint, vfloat = _vec(_i8, 4 * L), _vec(_i32, L), _vec(_f32, L)
-        v16b = _vec(_i8, L)
-        fmuladd = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vfloat, [vfloat] * 3), f"llvm.fmuladd.v{L}f32")
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [_i8.as_pointer(), _i32, _i32, _i32]),
-            "llvm.prefetch.p0i8")
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vfloat, [0.0] * L))
-                for _ in range(rows)]
-        zero = ir.Constant(vint, [0] * L)
-        low_mask = ir.Constant(vbytes, [15] * 4 * L)
-        four = ir.Constant(vbytes, [4] * 4 * L)
-        top_mask = ir.Constant(vbytes, [0x30] * 4 * L)
-
-        def x_splat(r, s, value):  # activation bytes value .. value + 3 of super-block s
-            off = builder.add(builder.mul(s, i64(QK_K)), i64(value))
-            ptr = builder.bitcast(builder.gep(x_rows[r], [off]), _i32.as_pointer())
-            return _splat_value(builder, builder.load(ptr, align=1), L)
-
-        def lane_bytes(base_row, s, per_sb, j, signed):  # <16 x i32> of 16 bytes
-            off = builder.add(builder.mul(s, i64(per_sb * L)), i64(j * L))
-            ptr = builder.bitcast(builder.gep(base_row, [off]), v16b.as_pointer())
-            raw = builder.load(ptr, align=1)
-            return (builder.sext if signed else builder.zext)(raw, vint)
-
-        def bsum(r, s, first, count):  # sum of bsums[r][16 s + first ...] as i32
-            total = None
-            for t in range(count):
-                idx = builder.add(builder.mul(s, i64(16)), i64(first + t))
-                value = builder.load(builder.gep(bs_rows[r], [idx]))
-                total = value if total is None else builder.add(total, value)
-            return total
-
-        def superblock_loop(kind, dot4):
-            code_bytes, nsub, _ = _LAYOUT[kind]
-            has_mins = kind != Q6_K
-
-            def load_codes(s, group):
-                off = builder.add(builder.mul(s, i64(code_bytes * L)), i64(group * 4 * L))
-                ptr = builder.bitcast(builder.gep(c_row, [off]), vbytes.as_pointer())
-                return builder.load(ptr, align=1)
-
-            with cgutils.for_range(builder, nsb) as loop:
-                s = loop.index
-                isum = [zero] * rows
-                msum = [zero] * rows
-                # the codes of the super-block PREFETCH_AHEAD on, a cache line
-                # at a time (a hint: past the end of the array it is dropped)
-                ahead = builder.mul(builder.add(s, i64(PREFETCH_AHEAD)), i64(code_bytes * L))
-                for line in range(0, code_bytes * L, 64):
-                    ptr = builder.gep(c_row, [builder.add(ahead, i64(line))])
-                    builder.call(prefetch, [ptr, _i32(0), _i32(3), _i32(1)])
-
-                def scale_sub(j, sums):
-                    sc = lane_bytes(s_row, s, nsub, j, kind == Q6_K)
-                    for r in range(rows):
-                        if kind == Q6_K:
-                            off = builder.mul(bsum(r, s, j, 1), _i32(32))
-                            sums[r] = builder.sub(sums[r], _splat_value(builder, off, L))
-                        isum[r] = builder.add(isum[r], builder.mul(sc, sums[r]))
-                    if has_mins:
-                        mn = lane_bytes(m_row, s, 8, j, False)
-                        for r in range(rows):
-                            b = _splat_value(builder, bsum(r, s, 2 * j, 2), L)
-                            msum[r] = builder.add(msum[r], builder.mul(mn, b))
-
-                if kind == Q6_K:
-                    for k in range(4):
-                        sums = [[zero] * rows for _ in range(4)]  # sub-blocks 4k .. 4k + 3
-                        high = [[load_codes(s, 32 + (2 * k + h) * 2 + q) for q in range(2)]
-                                for h in range(2)]
-                        for g in range(8):
-                            both = load_codes(s, 8 * k + g)
-                            q, i = g // 4, g % 4
-                            for h, nib in ((0, builder.and_(both, low_mask)),
-                                           (1, builder.lshr(both, four))):
-                                shift = 4 - 2 * i
-                                bits = high[h][q]
-                                if shift > 0:
-                                    bits = builder.shl(bits, ir.Constant(vbytes, [shift] * 4 * L))
-                                elif shift < 0:
-                                    bits = builder.lshr(bits, ir.Constant(vbytes,
-                                                                          [-shift] * 4 * L))
-                                code = builder.bitcast(builder.or_(
-                                    nib, builder.and_(bits, top_mask)), vint)
-                                sub = 2 * h + q
-                                for r in range(rows):
-                                    sums[sub][r] = dot4(builder, sums[sub][r], code,
-                                                        x_splat(r, s, 64 * k + 32 * h + 4 * g), L)
-                        for sub in range(4):
-                            scale_sub(4 * k + sub, sums[sub])
-                elif kind == Q4_K:
-                    for k in range(4):
-                        lo_sums, hi_sums = [zero] * rows, [zero] * rows
-                        for g in range(8):
-                            both = load_codes(s, 8 * k + g)
-                            lo = builder.bitcast(builder.and_(both, low_mask), vint)
-                            hi = builder.bitcast(builder.lshr(both, four), vint)
-                            for r in range(rows):
-                                lo_sums[r] = dot4(builder, lo_sums[r], lo,
-                                                  x_splat(r, s, 64 * k + 4 * g), L)
-                                hi_sums[r] = dot4(builder, hi_sums[r], hi,
-                                                  x_splat(r, s, 64 * k + 32 + 4 * g), L)
-                        scale_sub(2 * k, lo_sums)
-                        scale_sub(2 * k + 1, hi_sums)
-                else:
-                    per_sub = QK_K // nsub // 4  # groups of 4 values per sub-block
-                    for j in range(nsub):
-                        sums = [zero] * rows
-                        for g in range(per_sub):
-                            group = j * per_sub + g
-                            w = builder.bitcast(load_codes(s, group), vint)
-                            for r in range(rows):
-                                sums[r] = dot4(builder, sums[r], w, x_splat(r, s, 4 * group), L)
-                        scale_sub(j, sums)
-
-                dptr = builder.gep(d_row, [builder.mul(s, i64(2 * L))])
-                dvec = builder.load(builder.bitcast(dptr, vfloat.as_pointer()), align=4)
-                mvec = builder.load(builder.bitcast(builder.gep(dptr, [i64(L)]),
-                                                    vfloat.as_pointer()), align=4)
-                for r in range(rows):
-                    xds = _splat_value(builder, builder.load(builder.gep(xd_rows[r], [s])), L)
-                    acc = builder.call(fmuladd, [builder.sitofp(isum[r], vfloat),
-                                                 builder.fmul(dvec, xds), builder.load(accs[r])])
-                    if has_mins:
-                        acc = builder.call(fmuladd, [builder.sitofp(msum[r], vfloat),
-                                                     builder.fmul(mvec, xds), acc])
-                    builder.store(acc, accs[r])
-
-        kind_arg = args[10]
-
-        def all_kinds(form):
-            with builder.if_else(builder.icmp_signed("==", kind_arg, kind_arg.type(Q4_K))) \
-                    as (q4k, other):
-                with q4k:
-                    superblock_loop(Q4_K, DOT4[form])
-                with other:
-                    with builder.if_else(builder.icmp_signed("==", kind_arg,
-                                                             kind_arg.type(Q5_K))) as (q5k, q6k):
-                        with q5k:
-                            superblock_loop(Q5_K, DOT4[form])
-                        with q6k:
-                            superblock_loop(Q6_K, DOT4[form])
-
-        emit_dot_forms(builder, args[11], all_kinds)
-        store_tile(builder, [row(out, r) for r in ms], n0, accs)
+        _KTileEmitter(rows, context, builder, sig, args).emit()
         return context.get_dummy_value()
 
     return codegen

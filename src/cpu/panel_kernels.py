@@ -257,6 +257,25 @@ def store_tile(builder, out_rows, n0, accs) -> None:
 DOT4 = {None: _dot4_generic, "avx2": _dot4_avx2, "vnni": _dot4_vnni}
 
 
+def _weight_pieces(builder, w_row, b, q8, low_mask, four):
+    """[(<L x i8 x 4> codes, first code)] of block b of the panel row at
+    ``w_row``: q4: 4 loads, each split into low and high nibbles (masks
+    ``low_mask``, shift ``four``); q8: 8 loads."""
+    vbytes = _vec(_i8, 4 * LANES)
+    pieces = []
+    for g in range(8 if q8 else 4):
+        offset = builder.add(builder.mul(b, b.type(PANEL_BLOCK_BYTES * (2 if q8 else 1))),
+                             b.type(g * 4 * LANES))
+        wptr = builder.bitcast(builder.gep(w_row, [offset]), vbytes.as_pointer())
+        both = builder.load(wptr, align=1)
+        if q8:
+            pieces.append((both, 4 * g))
+        else:
+            pieces += [(builder.and_(both, low_mask), 4 * g),  # codes 4g + t
+                       (builder.lshr(both, four), 16 + 4 * g)]  # codes 16 + 4g + t
+    return pieces
+
+
 def _tile_codegen(rows):
     """Codegen of ``out[m + r, n0 : n0 + L] = sum over blocks`` for r < rows.
 
@@ -297,22 +316,6 @@ def _tile_codegen(rows):
         is_q8 = builder.icmp_unsigned("==", builder.extract_value(packed.shape, 1),
                                       builder.mul(nb, nb.type(2 * PANEL_BLOCK_BYTES)))
 
-        def weight_pieces(b, q8):
-            """[(<L x i32> codes, first code)] of block b: q4: 4 loads, each
-            split into low and high nibbles; q8: 8 loads."""
-            pieces = []
-            for g in range(8 if q8 else 4):
-                offset = builder.add(builder.mul(b, b.type(PANEL_BLOCK_BYTES * (2 if q8 else 1))),
-                                     b.type(g * 4 * LANES))
-                wptr = builder.bitcast(builder.gep(w_row, [offset]), vbytes.as_pointer())
-                both = builder.load(wptr, align=1)
-                if q8:
-                    pieces.append((both, 4 * g))
-                else:
-                    pieces += [(builder.and_(both, low_mask), 4 * g),  # codes 4g + t
-                               (builder.lshr(both, four), 16 + 4 * g)]  # codes 16 + 4g + t
-            return pieces
-
         def block_loop(form, q8):
             # AVX2's pairs of offset Q8_0 products could saturate: generic there
             dot4 = {"vnni": _dot4_vnni, "avx2": _dot4_avx2}.get(form, _dot4_generic)
@@ -321,7 +324,8 @@ def _tile_codegen(rows):
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
                 sums = [zero] * rows
-                for codes, first in weight_pieces(b, q8):
+                for codes, first in _weight_pieces(builder, w_row, b, q8,
+                                                   low_mask, four):
                     w = builder.bitcast(codes, vint)
                     xo = builder.add(builder.mul(b, b.type(QK)), b.type(first))
                     for r in range(rows):
