@@ -9,14 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvserve.model.kv_quant import check_kv_cache_dtype, kv_bytes_per_token
+from kvserve.kv_format import check_kv_cache_dtype, kv_bytes_per_token
 
 if TYPE_CHECKING:
-    from kvserve.model.generation_config import GenerationDefaults
-    from kvserve.model.rope import RopeSpec
     from kvserve.testing.faults import FaultInjection
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -54,6 +53,64 @@ def parse_size(text: str | int) -> int:
     number, unit = match.groups()
     unit = (unit or "").lower().rstrip("b")
     return int(float(number) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One attention type's rotary embedding.
+
+    Attributes:
+        theta: the base (``rope_theta``), > 0.
+        rope_type: one of ``kvserve.model.rope.ROPE_TYPES``.
+        factor: ``linear`` / ``llama3`` / ``yarn`` scale, ``longrope``'s
+            ``max_position_embeddings / original_max_position_embeddings``.
+        original_max_position: the pre-training context (``llama3``,
+            ``yarn``, ``longrope``), tokens.
+        low_freq_factor, high_freq_factor: ``llama3``'s band edges.
+        beta_fast, beta_slow, truncate: ``yarn``'s correction range.
+        attention_factor: cos and sin are multiplied by it (``yarn``,
+            ``longrope``; 1.0 otherwise).
+        short_factor, long_factor: ``longrope``'s per-frequency divisors,
+            ``head_dim / 2`` each.
+        freq_factors: ``default`` with a GGUF ``rope_freqs`` tensor: each
+            frequency divided by its factor; empty: none.
+        rotary_fraction: ``partial_rotary_factor`` (Phi-4-mini: 0.75): the
+            first ``int(head_dim * rotary_fraction)`` dimensions of a head
+            rotate (pairs ``(j, j + rotary_dim / 2)``, transformers'
+            ``rotate_half`` on them), the others pass; see
+            ``kvserve.model.rope.partial_rotary_perm`` for how the kernels compute it.
+    """
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position: int = 0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    freq_factors: tuple[float, ...] = ()
+    rotary_fraction: float = 1.0
+
+    @property
+    def is_default(self) -> bool:
+        """Plain RoPE of base ``theta`` over whole heads: no scaling, factors
+        or attention factor."""
+        return (self.rope_type == "default" and not self.freq_factors
+                and self.rotary_fraction == 1.0)
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """Dimensions of a head that rotate (transformers' ``int(head_dim *
+        partial_rotary_factor)``). Raises ValueError unless even and positive."""
+        rot = int(head_dim * self.rotary_fraction)
+        if rot <= 0 or rot % 2 or rot > head_dim:
+            raise ValueError(f"RoPE over {rot} of {head_dim} head dimensions: needs an even "
+                             "number, at least 2")
+        return rot
 
 
 @dataclass(frozen=True)
@@ -147,8 +204,6 @@ class ModelConfig:
     @property
     def rope(self) -> RopeSpec:
         """The full layers' RoPE: ``rope_scaling``, or plain RoPE of base ``rope_theta``."""
-        from kvserve.model.rope import RopeSpec  # NumPy: not at the CLI's import
-
         return self.rope_scaling if self.rope_scaling is not None else RopeSpec(self.rope_theta)
 
     def layer_window(self, layer: int) -> int:
@@ -407,6 +462,56 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.pipeline_parallel_size < 1 or self.tensor_parallel_size < 1:
             raise ValueError("pipeline_parallel_size and tensor_parallel_size must be >= 1")
+
+
+#: generation_config.json key -> SamplingParams field (vLLM's ``available_params``).
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                          "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                          "max_new_tokens": "max_tokens"}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Default sampling fields, applied where a request omits the field.
+
+    Each field is a ``SamplingParams`` field (``max_tokens`` from the file's
+    ``max_new_tokens``), or None when the file does not set it. ``source``:
+    the file they came from (None: no file). ``cap_max_tokens``: the
+    ``max_tokens`` default also bounds requests that set their own (a
+    folder given to ``--generation-config``, as in vLLM).
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+    source: str | None = None
+    cap_max_tokens: bool = False
+
+    def values(self) -> dict[str, float | int]:
+        """The fields that are set, by ``SamplingParams`` name."""
+        return {name: getattr(self, name) for name in GENERATION_CONFIG_KEYS.values()
+                if getattr(self, name) is not None}
+
+    def apply(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """``SamplingParams`` keyword arguments with the defaults filled in.
+
+        A field absent from ``kwargs`` or None there (``max_tokens: None``:
+        the request omitted it) takes the default; any other value the
+        request sent wins (``temperature: 0`` stays greedy). With
+        ``cap_max_tokens``, ``max_tokens`` is at most the default.
+        """
+        out = dict(kwargs)
+        for name, value in self.values().items():
+            if out.get(name) is None:
+                out[name] = value
+        if self.cap_max_tokens and self.max_tokens is not None:
+            requested = out.get("max_tokens")
+            out["max_tokens"] = self.max_tokens if requested is None \
+                else min(requested, self.max_tokens)
+        return out
 
 
 @dataclass(frozen=True)

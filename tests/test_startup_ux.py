@@ -36,6 +36,8 @@ from structlog.testing import capture_logs
 from kvserve import cli
 from kvserve.api.app import LoadingGate
 from kvserve.api.server import DrainingServer, PortUnavailable, bind_socket
+from kvserve.cli import generate as generate_command
+from kvserve.cli import serve as serve_command
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.observability.log import LoadProgress, configure_logging, resolve_log_format
 from kvserve.startup import check_before_load
@@ -271,7 +273,7 @@ def test_health_is_503_loading_while_the_engine_loads(tiny_model: Path, monkeypa
             super().__init__(*args, **kwargs)
             servers.append(self)
 
-    monkeypatch.setattr(cli, "_start_engine", held_start)
+    monkeypatch.setattr(serve_command, "start_engine", held_start)
     monkeypatch.setattr("kvserve.api.server.DrainingServer", RecordedServer)
     port = free_port()
     status: list[int] = []
@@ -447,7 +449,7 @@ def test_a_quiet_generate_says_why_it_waits_once(default_model_path: Path, monke
     """Issue 48 item 6: ``kvserve generate`` (no log lines by default) was
     silent for the whole start; past ``GENERATE_NOTICE_S`` it prints one line
     saying what it does and how to do it ahead, then only the answer."""
-    monkeypatch.setattr(cli, "GENERATE_NOTICE_S", 0.0)
+    monkeypatch.setattr(generate_command, "GENERATE_NOTICE_S", 0.0)
     assert cli.main(["generate", "--model", str(default_model_path), "--kv-cache-memory",
                      "64MiB", "--max-tokens", "2", "Hi"]) == 0
     out, err = capsys.readouterr()

@@ -24,28 +24,27 @@ holds a bad value is refused with a message naming the file and the key
 transformers' own default (``top_k: 50``) is applied as written (vLLM
 drops those, through ``GenerationConfig.to_diff_dict``).
 
-Imports only the standard library, structlog and ``kvserve.core``.
+Imports only the standard library, structlog, ``kvserve.config`` (where
+``GenerationDefaults`` lives, re-exported here) and ``kvserve.core``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 
+from kvserve.config import GENERATION_CONFIG_KEYS, GenerationDefaults
 from kvserve.core.sampling_params import SamplingParams
 
 #: The file's name, in a checkpoint folder or the folder ``--generation-config`` names.
 GENERATION_CONFIG_FILE = "generation_config.json"
 #: ``--generation-config`` values that name no folder.
 AUTO, VLLM = "auto", "vllm"
-#: generation_config.json key -> SamplingParams field (vLLM's ``available_params``).
-_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+#: generation_config.json key -> SamplingParams field.
+_KEYS = GENERATION_CONFIG_KEYS
 _INT_KEYS = ("top_k", "max_new_tokens")
 
 _log = structlog.get_logger("kvserve.model")
@@ -55,50 +54,6 @@ class GenerationConfigError(ValueError):
     """A ``--generation-config`` setting or a ``generation_config.json``
     kvserve cannot use; the message names the file (and the key) and what
     is accepted, on one line."""
-
-
-@dataclass(frozen=True)
-class GenerationDefaults:
-    """Default sampling fields, applied where a request omits the field.
-
-    Each field is a ``SamplingParams`` field (``max_tokens`` from the file's
-    ``max_new_tokens``), or None when the file does not set it. ``source``:
-    the file they came from (None: no file). ``cap_max_tokens``: the
-    ``max_tokens`` default also bounds requests that set their own (a
-    folder given to ``--generation-config``, as in vLLM).
-    """
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    max_tokens: int | None = None
-    source: str | None = None
-    cap_max_tokens: bool = False
-
-    def values(self) -> dict[str, float | int]:
-        """The fields that are set, by ``SamplingParams`` name."""
-        return {name: getattr(self, name) for name in _KEYS.values()
-                if getattr(self, name) is not None}
-
-    def apply(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """``SamplingParams`` keyword arguments with the defaults filled in.
-
-        A field absent from ``kwargs`` or None there (``max_tokens: None``:
-        the request omitted it) takes the default; any other value the
-        request sent wins (``temperature: 0`` stays greedy). With
-        ``cap_max_tokens``, ``max_tokens`` is at most the default.
-        """
-        out = dict(kwargs)
-        for name, value in self.values().items():
-            if out.get(name) is None:
-                out[name] = value
-        if self.cap_max_tokens and self.max_tokens is not None:
-            requested = out.get("max_tokens")
-            out["max_tokens"] = self.max_tokens if requested is None \
-                else min(requested, self.max_tokens)
-        return out
 
 
 #: No defaults (``--generation-config vllm``, or a model without the file).

@@ -26,77 +26,29 @@ would have to be). Bytes per value: ``(head_dim + 4) / head_dim``, 1.0625 for
 with one line: this build stores 8-bit K/V as int8 on both backends.
 
 Helpers here are the NumPy reference the kernels are tested against. The
-flag's values and byte arithmetic need no NumPy: ``kvserve.config`` (imported
-by the CLI before it sets the thread-pool environment that NumPy reads at
-import) uses them, so NumPy is imported inside the reference functions.
+flag's values and byte arithmetic are ``kvserve.kv_format`` (standard library
+only, for ``kvserve.config``), re-exported here; NumPy is imported inside the
+reference functions (the CLI imports this module before it sets the
+thread-pool environment that NumPy reads at import).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvserve.kv_format import (KV_CACHE_DTYPES, SCALE_BYTES, bytes_per_value,
+                               check_kv_cache_dtype, is_quantized, kv_bytes_per_token,
+                               vector_width)
+
 if TYPE_CHECKING:
     import numpy as np
 
-#: ``--kv-cache-dtype`` values, vLLM's names.
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-#: Bytes of the float32 scale after each int8 vector.
-SCALE_BYTES = 4
+#: The flag's values and byte arithmetic live in ``kvserve.kv_format``; re-exported.
+__all__ = ["CODE_MAX", "KV_CACHE_DTYPES", "SCALE_BYTES", "bytes_per_value",
+           "check_kv_cache_dtype", "dequantize", "is_quantized", "kv_bytes_per_token",
+           "quantize", "scales", "vector_width"]
 #: Largest code magnitude (-128 is never written).
 CODE_MAX = 127
-
-
-def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
-    """The validated ``--kv-cache-dtype``.
-
-    Raises ValueError for a value outside ``KV_CACHE_DTYPES``, and for
-    ``fp8``, which this build does not store (int8 is its 8-bit cache).
-    """
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                         f"got {kv_cache_dtype!r}")
-    if kv_cache_dtype == "fp8":
-        raise ValueError("--kv-cache-dtype fp8 is not built: use --kv-cache-dtype int8, "
-                         "8-bit K/V with a float32 scale per token and KV head, on the CPU "
-                         "and CUDA backends")
-    return kv_cache_dtype
-
-
-def is_quantized(kv_cache_dtype: str) -> bool:
-    """Whether ``kv_cache_dtype`` stores codes and scales (``int8``)."""
-    return kv_cache_dtype == "int8"
-
-
-def vector_width(head_dim: int, kv_cache_dtype: str) -> int:
-    """Last dimension of a cache array: ``head_dim`` (``auto``) or
-    ``head_dim + 4`` (``int8``: codes, then the scale's bytes).
-    Raises ValueError when an int8 ``head_dim`` is not a multiple of 4
-    (the scale would not be 4-byte aligned in a float32 view)."""
-    if not is_quantized(kv_cache_dtype):
-        return head_dim
-    if head_dim % 4:
-        raise ValueError(f"--kv-cache-dtype int8 needs head_dim divisible by 4, got {head_dim}")
-    return head_dim + SCALE_BYTES
-
-
-def bytes_per_value(kv_cache_dtype: str, head_dim: int, float_bytes: int = 4) -> float:
-    """Bytes a cached K or V value costs, scales included: ``float_bytes``
-    (the model dtype, ``auto``) or ``(head_dim + 4) / head_dim`` (``int8``)."""
-    if not is_quantized(kv_cache_dtype):
-        return float(float_bytes)
-    return vector_width(head_dim, kv_cache_dtype) / head_dim
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                       kv_cache_dtype: str = "auto", float_bytes: int = 4) -> int:
-    """Bytes of K and V for one token over all layers, scales included:
-    ``2 x layers x kv_heads x width`` with ``width`` = ``head_dim x
-    float_bytes`` (``auto``, vLLM's sizing rule) or ``head_dim + 4`` (int8)."""
-    if is_quantized(kv_cache_dtype):
-        width = vector_width(head_dim, kv_cache_dtype)
-    else:
-        width = head_dim * float_bytes
-    return 2 * num_layers * num_kv_heads * width
 
 
 def quantize(x: np.ndarray) -> np.ndarray:

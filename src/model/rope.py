@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from kvserve.config import RopeSpec  # its home is config (ModelConfig's field); re-exported
 
 #: The ``rope_type`` s :func:`rope_table` computes.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -61,64 +62,6 @@ _TYPE_KEYS = {
     "longrope": {"factor", "attention_factor", "short_factor", "long_factor",
                  "original_max_position_embeddings", "partial_rotary_factor"},
 }
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """One attention type's rotary embedding.
-
-    Attributes:
-        theta: the base (``rope_theta``), > 0.
-        rope_type: one of :data:`ROPE_TYPES`.
-        factor: ``linear`` / ``llama3`` / ``yarn`` scale, ``longrope``'s
-            ``max_position_embeddings / original_max_position_embeddings``.
-        original_max_position: the pre-training context (``llama3``,
-            ``yarn``, ``longrope``), tokens.
-        low_freq_factor, high_freq_factor: ``llama3``'s band edges.
-        beta_fast, beta_slow, truncate: ``yarn``'s correction range.
-        attention_factor: cos and sin are multiplied by it (``yarn``,
-            ``longrope``; 1.0 otherwise).
-        short_factor, long_factor: ``longrope``'s per-frequency divisors,
-            ``head_dim / 2`` each.
-        freq_factors: ``default`` with a GGUF ``rope_freqs`` tensor: each
-            frequency divided by its factor; empty: none.
-        rotary_fraction: ``partial_rotary_factor`` (Phi-4-mini: 0.75): the
-            first ``int(head_dim * rotary_fraction)`` dimensions of a head
-            rotate (pairs ``(j, j + rotary_dim / 2)``, transformers'
-            ``rotate_half`` on them), the others pass; see
-            :func:`partial_rotary_perm` for how the kernels compute it.
-    """
-
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    original_max_position: int = 0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float = 1.0
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
-    freq_factors: tuple[float, ...] = ()
-    rotary_fraction: float = 1.0
-
-    @property
-    def is_default(self) -> bool:
-        """Plain RoPE of base ``theta`` over whole heads: no scaling, factors
-        or attention factor."""
-        return (self.rope_type == "default" and not self.freq_factors
-                and self.rotary_fraction == 1.0)
-
-    def rotary_dim(self, head_dim: int) -> int:
-        """Dimensions of a head that rotate (transformers' ``int(head_dim *
-        partial_rotary_factor)``). Raises ValueError unless even and positive."""
-        rot = int(head_dim * self.rotary_fraction)
-        if rot <= 0 or rot % 2 or rot > head_dim:
-            raise ValueError(f"RoPE over {rot} of {head_dim} head dimensions: needs an even "
-                             "number, at least 2")
-        return rot
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
