@@ -153,7 +153,33 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
     and ``/metrics`` needs the bearer key. Headers over
     ``server_config.max_header_bytes`` get 431 before anything else.
     """
-    created = int(time.time())
+    routes = [
+        *_completion_routes(engine, server_config),
+        *_responses_routes(engine, server_config),
+        *_model_routes(engine, server_config),
+        *_health_routes(engine),
+        *_vllm_routes(engine, server_config),
+        *extra_routes,
+    ]
+    app = Starlette(routes=routes, exception_handlers=dict(EXCEPTION_HANDLERS))
+    app.state.engine = engine
+    app.state.server_config = server_config
+    _add_middleware(app, server_config)
+    return app
+
+
+def _add_middleware(app: Starlette, server_config: ServerConfig) -> None:
+    """Wrap ``app``, innermost first: the bearer key (when set), the header
+    size limit (431), then the refusal log, outermost, which sees 401 and
+    431 too."""
+    if server_config.api_key:
+        app.add_middleware(BearerAuth, api_key=server_config.api_key)
+    app.add_middleware(HeaderSizeLimit, max_bytes=server_config.max_header_bytes)
+    app.add_middleware(RefusalLogMiddleware)  # outermost: sees 401 and 431 too
+
+
+def _completion_routes(engine: EngineClient, server_config: ServerConfig) -> list[BaseRoute]:
+    """``POST /v1/chat/completions`` and ``POST /v1/completions``."""
 
     async def chat_completions(request: Request) -> Response:
         """``POST /v1/chat/completions`` (OpenAI chat API)."""
@@ -163,6 +189,22 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
         """``POST /v1/completions`` (OpenAI legacy completions API)."""
         return await _generate(request, "completion", CompletionRequest)
 
+    async def _generate(request: Request, kind: str, model_cls: type) -> Response:
+        data = await read_json_body(request, server_config.max_request_bytes)
+        refuse_message_flood(data, engine)
+        body = parse_model(model_cls, data)
+        prepared = prepare(kind, body, RequestHeaders.parse(request), engine, server_config)
+        return await run_generation(request, engine, prepared)
+
+    return [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+
+
+def _responses_routes(engine: EngineClient, server_config: ServerConfig) -> list[BaseRoute]:
+    """``POST /v1/responses`` and ``GET /v1/responses/{response_id}``, over
+    one ``ResponseStore``."""
     store = ResponseStore()
 
     async def responses(request: Request) -> Response:
@@ -215,12 +257,15 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
         """``GET /v1/responses/{id}``: a stored response (404 when not held)."""
         return JSONResponse(store.response(request.path_params["response_id"]))
 
-    async def _generate(request: Request, kind: str, model_cls: type) -> Response:
-        data = await read_json_body(request, server_config.max_request_bytes)
-        refuse_message_flood(data, engine)
-        body = parse_model(model_cls, data)
-        prepared = prepare(kind, body, RequestHeaders.parse(request), engine, server_config)
-        return await run_generation(request, engine, prepared)
+    return [
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    ]
+
+
+def _model_routes(engine: EngineClient, server_config: ServerConfig) -> list[BaseRoute]:
+    """``GET /v1/models`` and ``GET /v1/models/{model}``."""
+    created = int(time.time())
 
     def model_card() -> dict:
         """OpenAI's model object for the served model, with ``root`` and
@@ -242,6 +287,15 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
         check_model(request.path_params["model"], engine, server_config)
         return JSONResponse(model_card())
 
+    return [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+    ]
+
+
+def _health_routes(engine: EngineClient) -> list[BaseRoute]:
+    """``GET /health``."""
+
     async def health(request: Request) -> Response:
         """``GET /health``: 200 when the engine is ready (``degraded``, with
         the replicas down, while a data-parallel replica restarts and others
@@ -262,6 +316,12 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
             reason = getattr(engine, "dead_reason", None)
             message = f"The engine failed: {reason}" if reason else "The engine is not ready"
         return JSONResponse(error_body(message, "service_unavailable"), status_code=503)
+
+    return [Route("/health", health, methods=["GET"])]
+
+
+def _vllm_routes(engine: EngineClient, server_config: ServerConfig) -> list[BaseRoute]:
+    """vLLM's extensions: ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``."""
 
     async def tokenize(request: Request) -> Response:
         """``POST /tokenize`` (vLLM): ``{"prompt"}`` or ``{"messages"}`` ->
@@ -302,27 +362,11 @@ def build_app(engine: EngineClient, server_config: ServerConfig, *,
         """``GET /version`` (vLLM): ``{"version": "<kvserve version>"}``."""
         return JSONResponse({"version": _version()})
 
-    routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/responses", responses, methods=["POST"]),
-        Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model:path}", model, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
+    return [
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/version", version, methods=["GET"]),
-        *extra_routes,
     ]
-    app = Starlette(routes=routes, exception_handlers=dict(EXCEPTION_HANDLERS))
-    app.state.engine = engine
-    app.state.server_config = server_config
-    if server_config.api_key:
-        app.add_middleware(BearerAuth, api_key=server_config.api_key)
-    app.add_middleware(HeaderSizeLimit, max_bytes=server_config.max_header_bytes)
-    app.add_middleware(RefusalLogMiddleware)  # outermost: sees 401 and 431 too
-    return app
 
 
 async def _stall_reason(engine: EngineClient) -> str | None:

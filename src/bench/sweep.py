@@ -120,6 +120,7 @@ def _point_requests(args, requests, value):
 
 
 def run_point(args, requests, value, base_url, meta) -> dict:
+    """Replay the trace at ``value`` against ``base_url``: one point's result JSON."""
     server = server_info(base_url, args.api_key)
     model = args.model or first_model_id(server)
     reqs, max_conc = _point_requests(args, requests, value)
@@ -137,7 +138,8 @@ def run_point(args, requests, value, base_url, meta) -> dict:
             "requests": [r.to_json() for r in results]}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The sweep's flags."""
     p = argparse.ArgumentParser(prog="sweep", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", required=True)
@@ -169,20 +171,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="saturation: first value whose throughput gain is below this fraction")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    args = p.parse_args(argv)
-    try:
-        values = [float(v) for v in args.values.split(",") if v.strip()]
-        if args.variable == "server-flag" and not (args.flag or args.server_cmd):
-            raise ValueError("--variable server-flag needs --flag (or --server-cmd with {value})")
-        if args.variable != "server-flag" and not (args.base_url or args.launch_server
-                                                   or args.server_cmd):
-            raise ValueError("give --base-url, --launch-server or --server-cmd")
-        requests, meta = read_trace(args.trace)
-    except (ValueError, OSError) as exc:
-        print(f"sweep: error: {exc}", file=sys.stderr)
-        return 2
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _checked_values(args) -> list[float]:
+    """The swept values of ``args``; ValueError when the flags do not fit together."""
+    values = [float(v) for v in args.values.split(",") if v.strip()]
+    if args.variable == "server-flag" and not (args.flag or args.server_cmd):
+        raise ValueError("--variable server-flag needs --flag (or --server-cmd with {value})")
+    if args.variable != "server-flag" and not (args.base_url or args.launch_server
+                                               or args.server_cmd):
+        raise ValueError("give --base-url, --launch-server or --server-cmd")
+    return values
+
+
+def _run_points(args, values, requests, meta, out: Path) -> list[dict]:
+    """Replay at each value (a server started per value for ``server-flag``,
+    one for the sweep when there is no ``--base-url``); every point is
+    written to ``point-<value>.json`` and summarized as it finishes."""
     from kvserve.bench.server import ServerProcess, exit_on_sigterm
 
     exit_on_sigterm()
@@ -210,26 +216,35 @@ def main(argv: list[str] | None = None) -> int:
                 if server is not None:
                     server.stop()
             (out / f"point-{text}.json").write_text(json.dumps(point, indent=1))
-            o = point["summary"]["overall"]
-            print(f"{args.variable}={text}: {o['completed']}/{o['num_requests']} ok, "
-                  f"{o['request_throughput']:.3f} req/s, {o['output_throughput']:.1f} out tok/s, "
-                  f"TTFT p50 {o['ttft_ms']['median'] or math.nan:.0f} ms, "
-                  f"TPOT p50 {o['tpot_ms']['median'] or math.nan:.1f} ms", flush=True)
+            _print_point(args, text, point)
             points.append(point)
     finally:
         if shared is not None:
             shared.stop()
-    tputs = [p["summary"]["overall"][args.throughput_metric] for p in points]
-    sat = saturation_index(tputs, args.saturation_gain)
+    return points
+
+
+def _print_point(args, text: str, point: dict) -> None:
+    """One line of a finished point's results."""
+    o = point["summary"]["overall"]
+    print(f"{args.variable}={text}: {o['completed']}/{o['num_requests']} ok, "
+          f"{o['request_throughput']:.3f} req/s, {o['output_throughput']:.1f} out tok/s, "
+          f"TTFT p50 {o['ttft_ms']['median'] or math.nan:.0f} ms, "
+          f"TPOT p50 {o['tpot_ms']['median'] or math.nan:.1f} ms", flush=True)
+
+
+def sweep_report(args, values: list[float], points: list[dict], sat: int | None,
+                 png: Path) -> dict:
+    """``sweep.json``: the points, the saturation point (index ``sat``) and,
+    for rate sweeps, achieved over offered load and the rate it is
+    overloaded from."""
     # rate sweeps: does the server keep up with the offered load at all?
     keep_up = None
     overloaded_from = None
     if args.variable == "rate":
         keep_up = [p["summary"]["overall"]["request_throughput"] / p["value"] for p in points]
         overloaded_from = next((v for v, k in zip(values, keep_up, strict=False) if k < 0.8), None)
-    png = out / "sweep.png"
-    plot_sweep(points, args.variable, sat, png, args.throughput_metric)
-    report = {
+    return {
         "variable": args.variable, "flag": args.flag, "values": values,
         "throughput_metric": args.throughput_metric, "saturation_gain": args.saturation_gain,
         "saturation_value": None if sat is None else values[sat],
@@ -244,15 +259,40 @@ def main(argv: list[str] | None = None) -> int:
         "overload_rule": "rate sweeps: first rate whose achieved request throughput is < 80 % "
                          "of the offered rate (the queue grows; latency is mostly queueing)",
     }
-    (out / "sweep.json").write_text(json.dumps(report, indent=1))
+
+
+def _print_report(args, points: list[dict], report: dict, png: Path) -> None:
+    """The last point's summary, the saturation and overload points, the plot."""
     if points:
         print(format_summary(points[-1]["summary"]["overall"], f"last point {args.variable}"))
-    print(f"saturation point: {'none (throughput kept rising)' if sat is None else values[sat]:}"
+    sat = report["saturation_value"]
+    print(f"saturation point: {'none (throughput kept rising)' if sat is None else sat:}"
           f"  [{report['saturation_rule']}]")
     if args.variable == "rate":
-        print(f"overloaded from rate: {overloaded_from}  (achieved/offered: "
-              + ", ".join(f"{k:.2f}" for k in keep_up) + ")")
+        print(f"overloaded from rate: {report['overloaded_from']}  (achieved/offered: "
+              + ", ".join(f"{k:.2f}" for k in report["achieved_over_offered"]) + ")")
     print(f"plot: {png}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep: 0 when it ran, 2 for bad usage or an unreadable trace."""
+    args = build_parser().parse_args(argv)
+    try:
+        values = _checked_values(args)
+        requests, meta = read_trace(args.trace)
+    except (ValueError, OSError) as exc:
+        print(f"sweep: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    points = _run_points(args, values, requests, meta, out)
+    tputs = [p["summary"]["overall"][args.throughput_metric] for p in points]
+    sat = saturation_index(tputs, args.saturation_gain)
+    png = out / "sweep.png"
+    report = sweep_report(args, values, points, sat, png)
+    plot_sweep(points, args.variable, sat, png, args.throughput_metric)
+    (out / "sweep.json").write_text(json.dumps(report, indent=1))
+    _print_report(args, points, report, png)
     return 0
 
 

@@ -138,16 +138,34 @@ class EngineMetrics:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.registry = registry if registry is not None else CollectorRegistry()
-        labels = ["model_name"]
+        # Declared family by family, in the order /metrics lists them.
+        token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
+        self._latency_metrics()
+        self._token_histograms(token_buckets, max_num_batched_tokens)
+        self._load_metrics()
+        self._prompt_token_metrics()
+        self._request_param_metrics(token_buckets)
+        self._info_metrics()
+        self._scheduling_metrics(model_name)
+        self._step_metrics(model_name)
+        self._kv_transfer_metrics(model_name)
+        self._spec_decode_metrics(model_name)
+        self._pipeline_metrics(model_name)
 
-        def histogram(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, registry=self.registry,
-                             buckets=tuple(buckets)).labels(model_name)
+    def _histogram(self, name: str, doc: str, buckets: Iterable[float]) -> Histogram:
+        """A histogram with only the ``model_name`` label, set to this engine's."""
+        return Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry,
+                         buckets=tuple(buckets)).labels(self.model_name)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        """A gauge with only the ``model_name`` label, set to this engine's."""
+        return Gauge(PREFIX + name, doc, ["model_name"],
+                     registry=self.registry).labels(self.model_name)
 
-        counter = self._counter
+    def _latency_metrics(self) -> None:
+        """Per-request latencies: TTFT, ITL, TPOT, end to end, and the time in
+        each phase (queue, prefill, decode, inference)."""
+        histogram = self._histogram
         self.ttft = histogram(
             "time_to_first_token_seconds",
             "Histogram of time to first token in seconds: from the request's arrival at the "
@@ -182,7 +200,11 @@ class EngineMetrics:
             "request_inference_time_seconds",
             "Histogram of time spent in the RUNNING phase in seconds: prefill + decode, "
             "first scheduling to finish.", REQUEST_LATENCY_BUCKETS)
-        token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
+
+    def _token_histograms(self, token_buckets: tuple[int, ...],
+                          max_num_batched_tokens: int) -> None:
+        """Prompt and generated tokens per finished request, tokens per step."""
+        histogram = self._histogram
         self.prompt_tokens_hist = histogram(
             "request_prompt_tokens",
             "Histogram of the number of prompt tokens per finished request.", token_buckets)
@@ -195,6 +217,10 @@ class EngineMetrics:
             "iteration_tokens_total",
             "Histogram of the number of tokens (prefill + decode) computed per engine step.",
             step_buckets)
+
+    def _load_metrics(self) -> None:
+        """The load gauges: running and waiting requests, KV usage, the stall."""
+        gauge = self._gauge
         self.running = gauge("num_requests_running",
                              "Number of requests in the running batch (holding KV blocks).")
         self.waiting = gauge("num_requests_waiting",
@@ -205,12 +231,21 @@ class EngineMetrics:
                            "Seconds the engine has had requests running or waiting without "
                            "finishing a step (0 while idle or progressing; /health answers "
                            "503 from --stall-timeout on). kvserve-specific.")
+
+    def _prompt_token_metrics(self) -> None:
+        """Prompt tokens processed (all of each prompt) and computed."""
+        counter = self._counter
         self.prompt_tokens = counter(
             "prompt_tokens", "Number of prompt tokens of the requests that started "
             "generating (all of each prompt, prefix-cache hits included, as vLLM counts).")
         self.prompt_tokens_computed = counter(
             "prompt_tokens_computed", "Number of prefill tokens computed (prefix-cache hits "
             "are not; recomputation after preemption is). kvserve-specific.")
+
+    def _request_param_metrics(self, token_buckets: tuple[int, ...]) -> None:
+        """vLLM's older TPOT name, the most tokens a sample generated, and the
+        ``n`` and ``max_tokens`` request parameters."""
+        histogram = self._histogram
         self.tpot_legacy = histogram(
             "time_per_output_token_seconds",
             "Histogram of time per output token in seconds (vLLM's older name of "
@@ -224,6 +259,10 @@ class EngineMetrics:
         self.params_max_tokens = histogram(
             "request_params_max_tokens", "Histogram of the max_tokens request parameter "
             "(the context length when unset).", token_buckets)
+
+    def _info_metrics(self) -> None:
+        """The ``*_info`` gauges (value 1, the facts as labels): the KV cache's
+        settings and the decode path."""
         self._cache_config = Gauge(PREFIX + "cache_config_info",
                                    "Information of the KV cache's configuration (value 1).",
                                    ["model_name", *CACHE_CONFIG_LABELS], registry=self.registry)
@@ -231,6 +270,11 @@ class EngineMetrics:
                                   "The path the model's decode steps take (value 1): fused "
                                   "(one compiled call a step) or ops (op by op).",
                                   ["model_name", "path"], registry=self.registry)
+
+    def _scheduling_metrics(self, model_name: str) -> None:
+        """Generated tokens, finished requests by reason, preemptions and the
+        prefix cache's queries, hits and divergences."""
+        counter = self._counter
         self.generation_tokens = counter("generation_tokens",
                                          "Number of generation tokens processed.")
         self._success = Counter(PREFIX + "request_success",
@@ -251,6 +295,8 @@ class EngineMetrics:
             "Prefix-cache misses caused by a prompt that differs from a cached one "
             "(see the prefix_cache_divergence log event).")
 
+    def _step_metrics(self, model_name: str) -> None:
+        """The seconds of each phase of an engine step, and the busy seconds."""
         self._phase = Histogram(
             PREFIX + "step_phase_seconds",
             "Histogram of the seconds of each phase of an engine step: schedule (the core "
@@ -258,13 +304,10 @@ class EngineMetrics:
             "emit (applying tokens and sending them to the detokenizer). kvserve-specific.",
             ["model_name", "phase"], registry=self.registry, buckets=STEP_PHASE_BUCKETS)
         self.phases = {phase: self._phase.labels(model_name, phase) for phase in STEP_PHASES}
-        self.busy = counter(
+        self.busy = self._counter(
             "engine_busy_seconds",
             "Seconds the worker spent computing steps; its rate is the busy fraction "
             "(rate(kvserve:engine_busy_seconds_total[1m]), 0..1). kvserve-specific.")
-        self._kv_transfer_metrics(model_name)
-        self._spec_decode_metrics(model_name)
-        self._pipeline_metrics(model_name)
 
     def _pipeline_metrics(self, model_name: str) -> None:
         """Per pipeline stage (``--pipeline-parallel-size``): each step's

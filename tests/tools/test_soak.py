@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvserve.testing import soak
+from kvserve.testing import soak, soak_attacks
 from kvserve.testing.soak import (
     DEFAULT_MIX,
     FAILURES,
@@ -405,7 +405,7 @@ def test_constraint_requests(variant, name):
 def test_constraint_plans_draw_every_variant(monkeypatch):
     """Every (variant, field) but a large ``tools`` one: a tool's schema is
     also written into the prompt, too long for a small context."""
-    monkeypatch.setattr(soak, "constraint_request", lambda variant, name, rng, target:
+    monkeypatch.setattr(soak_attacks, "constraint_request", lambda variant, name, rng, target:
                         (variant, name))
     rng, target = random.Random(2), Target("m", 512)
     drawn = {soak.constraint_plan(rng, target) for _ in range(300)}
