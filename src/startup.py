@@ -20,7 +20,7 @@ from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_layout import model_kv_layout
 from kvserve.core.scheduler import Scheduler
-from kvserve.distributed.kv_connector import (KVConnector, KVLayout, build_kv_connector,
+from kvserve.kv_offload.kv_connector import (KVConnector, KVLayout, build_kv_connector,
                                               log_offload_tier)
 from kvserve.constraints.masks import StructuredOutputs
 from kvserve.core.plan import (KVCachePlan, cap_to_cache, count_parameters, plan_kv_cache,

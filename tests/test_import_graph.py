@@ -201,3 +201,16 @@ def test_the_model_does_not_probe_its_backend():
               for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
               if re.search(r"getattr\((self\.)?ops\b", line)]
     assert probes == []
+
+
+def test_the_model_and_the_actors_do_not_import_distributed():
+    """Issue 49, item 3: the model layer and the actors run on one node; the
+    scale-out package (replicas, pipeline and tensor parallelism) builds on
+    them, never the other way round. The KV offload tiers they use live in
+    ``kvserve.kv_offload``."""
+    graph = import_graph()
+    arrows = sorted(f"{a} -> {b}" for a, targets in graph.items()
+                    if a.startswith(("kvserve.model.", "kvserve.actors."))
+                    for b in targets
+                    if b == "kvserve.distributed" or b.startswith("kvserve.distributed."))
+    assert arrows == [], "arrows into kvserve.distributed:\n" + "\n".join(arrows)

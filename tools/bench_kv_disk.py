@@ -40,7 +40,7 @@ BLOCK = 16
 def read_seconds(shape, dtype, data, blocks: int, directory: str) -> dict:
     """Median seconds of ``DiskTier.read`` from the page cache and after
     dropping each file from it, and the file's bytes."""
-    from kvserve.distributed.disk_tier import DiskTier
+    from kvserve.kv_offload.disk_tier import DiskTier
 
     folder = tempfile.mkdtemp(dir=directory)
     tier = DiskTier(folder, shape, dtype, "bench", 2**40)

@@ -376,7 +376,7 @@ class StepFinished:
     end: float
     times: Any  # core.stats.StepTimes
     spec: Any = None  # core.spec_decode.SpecDecodingStats
-    transfer: Any = None  # distributed.kv_connector.TransferStats
+    transfer: Any = None  # kv_offload.kv_connector.TransferStats
 
 
 @dataclass(frozen=True)

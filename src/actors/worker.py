@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvserve.actors.base import Actor, Mailbox
 from kvserve.actors.messages import AttachTier, DropImports, ExecuteStep, ImportBlocks, StepResult
-from kvserve.distributed.kv_connector import log_offload_tier
+from kvserve.kv_offload.kv_connector import log_offload_tier
 from kvserve.model.runner import KVCacheLost, KVLoadLost
 
 

@@ -91,7 +91,7 @@ def _cache_config(args: argparse.Namespace) -> CacheConfig:
                         kv_offloading_disk_size=args.kv_offloading_disk_size)
     if cache.kv_offloading_size:
         # lazy: the host tier loads NumPy (after the thread pools' environment)
-        from kvserve.distributed.host_tier import check_tier_size
+        from kvserve.kv_offload.host_tier import check_tier_size
         check_tier_size(int(cache.kv_offloading_size * 2**30))
     return cache
 

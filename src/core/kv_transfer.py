@@ -17,7 +17,7 @@ pass writes anything (in this order):
 
 The scheduler asks the tier only which hashes it holds (``ExternalKV``; with
 a disk tier under the memory tier, ``TieredExternalKV``);
-moving bytes is the worker's job (``kvserve.distributed.kv_connector``).
+moving bytes is the worker's job (``kvserve.kv_offload.kv_connector``).
 Pure data and protocols: no asyncio, no arrays.
 """
 
@@ -50,7 +50,7 @@ class ExternalKV(Protocol):
 
 class TieredExternalKV(ExternalKV, Protocol):
     """An ``ExternalKV`` of two tiers, memory and a disk tier under it
-    (``kvserve.distributed.kv_connector.TieredLookup``): the block manager
+    (``kvserve.kv_offload.kv_connector.TieredLookup``): the block manager
     counts each tier's hits apart (``PrefixCacheStats.external_disk_*``)."""
 
     def lookup_tiers(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:

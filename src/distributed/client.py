@@ -24,7 +24,7 @@ at most one capped prefill chunk (``long_prefill_token_threshold``, else
 half the step budget), go straight to a decode replica.
 
 The KV offload tier (``--kv-offloading-size``): this process creates it in
-shared memory (``kvserve.distributed.host_tier``) and every replica of the
+shared memory (``kvserve.kv_offload.host_tier``) and every replica of the
 node attaches to it, so a prefix one replica evicted is loaded by any.
 """
 
@@ -45,7 +45,7 @@ from kvserve.actors.messages import (GenerateRequest, RequestAccepted, RequestFa
 from kvserve.actors.stream import RequestStream
 from kvserve.config import EngineConfig
 from kvserve.core.router import PrefixAwareRouter, ReplicaLoad
-from kvserve.distributed.host_tier import SharedHostTier
+from kvserve.kv_offload.host_tier import SharedHostTier
 from kvserve.distributed.ray_start import start_ray
 from kvserve.distributed.replica import EngineReplica
 from kvserve.model.tokenizer import Tokenizer

@@ -38,7 +38,7 @@ import numpy as np
 
 from kvserve.config import ModelConfig
 from kvserve.core.parallel import HeadShard
-from kvserve.distributed.host_tier import _pid_alive
+from kvserve.kv_offload.host_tier import _pid_alive
 from kvserve.model.ggml_blocks import BlockQuantizedWeight
 
 # --------------------------------------------------------------------------- #

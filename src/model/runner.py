@@ -23,8 +23,8 @@ from kvserve.config import ModelConfig
 from kvserve.constraints.masks import StructuredOutputs
 from kvserve.core.kv_layout import model_kv_layout
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
-from kvserve.distributed.host_tier import BlockLost
-from kvserve.distributed.kv_connector import KVConnector, TransferResult
+from kvserve.kv_offload.host_tier import BlockLost
+from kvserve.kv_offload.kv_connector import KVConnector, TransferResult
 from kvserve.model.drafter import DraftProposer
 from kvserve.model.input_batch import BatchInputs, InputBatch
 from kvserve.model.llama import AttentionMetadata, LlamaModel
@@ -45,7 +45,7 @@ class KVCacheLost(RuntimeError):
 
 class KVLoadLost(RuntimeError):
     """A KV block the step was to load from an offload tier is gone or bad
-    (``kvserve.distributed.host_tier.BlockLost``): the step computes
+    (``kvserve.kv_offload.host_tier.BlockLost``): the step computes
     nothing, and the scheduler restarts its requests from their prompts
     (``StepResult.kv_load_lost``) instead of failing them."""
 
@@ -74,7 +74,7 @@ class ModelRunnerOutput:
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
     draft_seconds: float = 0.0
-    #: The step's KV transfers (``kvserve.distributed.kv_connector``), or None.
+    #: The step's KV transfers (``kvserve.kv_offload.kv_connector``), or None.
     kv_transfer: TransferResult | None = None
     #: Pipeline parallelism: each stage's forward seconds in its process.
     stage_seconds: tuple[float, ...] = ()

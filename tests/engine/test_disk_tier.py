@@ -1,4 +1,4 @@
-"""The disk KV tier (``kvserve.distributed.disk_tier``): blocks round-trip
+"""The disk KV tier (``kvserve.kv_offload.disk_tier``): blocks round-trip
 byte for byte across a restart (float32, and int8 codes with their scales),
 the size bound evicts the least recently used file, and a truncated, foreign,
 other-layout or corrupt file is removed and never served, while another
@@ -18,10 +18,10 @@ import pytest
 from kvserve.config import CacheConfig
 from kvserve.core.kv_transfer import BlockTransfer
 from kvserve.cpu.ops import CpuOps
-from kvserve.distributed import disk_tier
-from kvserve.distributed.disk_tier import HEADER_BYTES, DiskTier, layout_key
-from kvserve.distributed.host_tier import BlockLost
-from kvserve.distributed.kv_connector import KVLayout, TieredLookup, build_kv_connector
+from kvserve.kv_offload import disk_tier
+from kvserve.kv_offload.disk_tier import HEADER_BYTES, DiskTier, layout_key
+from kvserve.kv_offload.host_tier import BlockLost
+from kvserve.kv_offload.kv_connector import KVLayout, TieredLookup, build_kv_connector
 from kvserve.model.kv_quant import dequantize, quantize
 
 LAYERS, BS, NKV, HD = 2, 4, 1, 8
@@ -317,7 +317,7 @@ def output(saves=(), loads=(), queries=0, hits=0):
 
 @pytest.fixture
 def connector(tmp_path, monkeypatch):
-    monkeypatch.setattr("kvserve.distributed.host_tier.default_directory", lambda: tmp_path)
+    monkeypatch.setattr("kvserve.kv_offload.host_tier.default_directory", lambda: tmp_path)
     config = CacheConfig(kv_offloading_size=2 * int(np.prod(SHAPE)) * 4 / 2**30,
                          kv_offloading_backend="disk", kv_offloading_path=str(tmp_path / "kv"))
     c = build_kv_connector(CpuOps(), KVLayout.of(caches(), "test-model"), config)

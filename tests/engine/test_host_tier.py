@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from kvserve.distributed.host_tier import BlockLost, SharedHostTier, remove_stale_tiers
+from kvserve.kv_offload.host_tier import BlockLost, SharedHostTier, remove_stale_tiers
 
 SHAPE = (2, 2, 4, 1, 2)  # layers, K/V, block size, kv heads, head dim
 SLOT = int(np.prod(SHAPE)) * 4

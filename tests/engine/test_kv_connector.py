@@ -8,8 +8,8 @@ from kvserve.config import CacheConfig
 from kvserve.core.kv_transfer import BlockTransfer
 from kvserve.core.outputs import SchedulerOutput
 from kvserve.cpu.ops import CpuOps
-from kvserve.distributed.host_tier import BlockLost
-from kvserve.distributed.kv_connector import KVLayout, build_kv_connector
+from kvserve.kv_offload.host_tier import BlockLost
+from kvserve.kv_offload.kv_connector import KVLayout, build_kv_connector
 
 LAYERS, BLOCKS, BS, NKV, HD = 3, 6, 4, 1, 2
 
@@ -37,7 +37,7 @@ def output(saves=(), exports=(), loads=(), finished=()):
 
 @pytest.fixture
 def connector(tmp_path, monkeypatch):
-    monkeypatch.setattr("kvserve.distributed.host_tier.default_directory", lambda: tmp_path)
+    monkeypatch.setattr("kvserve.kv_offload.host_tier.default_directory", lambda: tmp_path)
     block_bytes = LAYERS * 2 * BS * NKV * HD * 4
     config = CacheConfig(kv_offloading_size=4 * block_bytes / 2**30)
     c = build_kv_connector(CpuOps(), KVLayout.of(caches(), "test-model"), config)

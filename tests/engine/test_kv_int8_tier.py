@@ -9,7 +9,7 @@ from test_kv_connector import output
 from kvserve.config import CacheConfig
 from kvserve.core.kv_transfer import BlockTransfer
 from kvserve.cpu.ops import CpuOps
-from kvserve.distributed.kv_connector import KVLayout, build_kv_connector
+from kvserve.kv_offload.kv_connector import KVLayout, build_kv_connector
 from kvserve.model import kv_quant
 
 LAYERS, BLOCKS, BS, NKV, HD = 2, 5, 4, 2, 8
@@ -29,7 +29,7 @@ def h(i):
 
 @pytest.fixture
 def tier_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr("kvserve.distributed.host_tier.default_directory", lambda: tmp_path)
+    monkeypatch.setattr("kvserve.kv_offload.host_tier.default_directory", lambda: tmp_path)
     return tmp_path
 
 

@@ -33,8 +33,8 @@ import structlog
 
 from kvserve.core.kv_transfer import BlockTransfer
 from kvserve.core.outputs import SchedulerOutput
-from kvserve.distributed.disk_tier import DiskTier
-from kvserve.distributed.host_tier import BlockLost, SharedHostTier
+from kvserve.kv_offload.disk_tier import DiskTier
+from kvserve.kv_offload.host_tier import BlockLost, SharedHostTier
 
 log = structlog.get_logger("kvserve.kv_connector")
 

@@ -65,7 +65,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from kvserve.distributed.host_tier import LEASE_SECONDS, BlockLost, _pid_alive
+from kvserve.kv_offload.host_tier import LEASE_SECONDS, BlockLost, _pid_alive
 
 log = structlog.get_logger("kvserve.offload")
 
