@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import structlog
@@ -92,16 +93,14 @@ class AsyncEngine:
     Prometheus registry, served as ``/metrics`` by the CLI), lifecycle and
     step log events (the stats actor's ``StatsObserver``) and an
     ``engine_stats`` line every ``stats_interval`` seconds (0 = off).
-    ``log_prompts`` adds the prompt to ``request_received``. ``kv_events``:
-    a ``core.kv_events.KVEventLog`` that records the block pool's events (a
-    data-parallel replica's, for the prefix-aware router), or None.
+    ``log_prompts`` adds the prompt to ``request_received``.
     """
 
     def __init__(self, core: EngineCore, model_name: str | None = None,
                  admission: AdmissionLimits | None = None,
                  request_timeout: float | None = None, stats_interval: float = 10.0,
-                 log_prompts: bool = False, executor: ThreadPoolExecutor | None = None,
-                 kv_events=None) -> None:
+                 log_prompts: bool = False,
+                 executor: ThreadPoolExecutor | None = None) -> None:
         self.core = core
         self.request_timeout = request_timeout
         self.stats_interval = stats_interval
@@ -128,8 +127,6 @@ class AsyncEngine:
             gpu_memory_utilization=cache.gpu_memory_utilization,
             kv_cache_memory_bytes=cache.kv_cache_memory)
         self.metrics.set_decode_path(core.decode_path.path)
-        if kv_events is not None:  # before any actor runs
-            core.scheduler.kv_cache_manager.pool.events = kv_events
         self._build_actors(core, admission, executor)
         self._watch_task: asyncio.Task[None] | None = None
         self._ready = False
@@ -194,13 +191,16 @@ class AsyncEngine:
         start the actors.
 
         Admission limits come from ``config.scheduler`` (policy,
-        ``max_waiting_requests``, ``max_waiting_tokens``). Raises
-        ``BackendUnavailable`` when the backend cannot run here.
+        ``max_waiting_requests``, ``max_waiting_tokens``). ``kv_events``: a
+        ``core.kv_events.KVEventLog`` the block pool records its events in
+        from its construction on (a data-parallel replica's, for the
+        prefix-aware router), or None. Raises ``BackendUnavailable`` when
+        the backend cannot run here.
         """
         executor = worker_executor()
         try:
             core = await asyncio.get_running_loop().run_in_executor(
-                executor, build_engine_core, config)
+                executor, partial(build_engine_core, config, kv_events=kv_events))
         except BaseException:
             executor.shutdown(wait=False)
             raise
@@ -209,7 +209,7 @@ class AsyncEngine:
                                  max_waiting_tokens=sched.max_waiting_tokens,
                                  priority_aging_seconds=sched.priority_aging_seconds)
         engine = cls(core, model_name, limits, request_timeout, stats_interval, log_prompts,
-                     executor, kv_events)
+                     executor)
         engine.start_actors()
         return engine
 
@@ -267,8 +267,7 @@ class AsyncEngine:
         does not answer (Ray restarts it; ``kvserve.distributed.pipeline``):
         every step needs every stage, so none can run meanwhile (``/health``
         answers 503; requests wait for the stage)."""
-        executor = getattr(self.core.runner, "executor", None)
-        down = sorted(executor.down) if executor is not None else []
+        down = self.core.runner.stages_down()
         if down:
             return {"status": "unavailable", "pipeline_stages_down": down}
         return {"status": "ok"}
@@ -457,6 +456,4 @@ class AsyncEngine:
             self._watch_task = None
         for actor in self._actors:
             await actor.stop()
-        executor = getattr(self.core.runner, "executor", None)
-        if executor is not None:  # the pipeline stages' processes
-            executor.shutdown()
+        self.core.runner.close()  # the pipeline stages' processes, if any

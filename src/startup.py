@@ -18,6 +18,7 @@ import structlog
 
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_events import KVEventLog
 from kvserve.core.kv_layout import model_kv_layout
 from kvserve.core.scheduler import Scheduler
 from kvserve.kv_offload.kv_connector import (KVConnector, KVLayout, build_kv_connector,
@@ -60,7 +61,7 @@ class EngineCore:
     decode_path: DecodePath
 
 
-def build_engine_core(config: EngineConfig) -> EngineCore:
+def build_engine_core(config: EngineConfig, kv_events: KVEventLog | None = None) -> EngineCore:
     """Load the checkpoint, size the KV cache and build runner and scheduler.
 
     Call it on the thread that will run the steps (the worker's): the
@@ -68,8 +69,10 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     checkpoint's dtype until the backend converts them to its own.
     ``max_model_len`` is the checkpoint's context length, capped by
     ``SchedulerConfig.max_model_len`` and by the KV cache size (a request must
-    fit alone), with a warning when the cache caps it. Raises
-    ``BackendUnavailable`` when the backend cannot run here.
+    fit alone), with a warning when the cache caps it. ``kv_events``
+    records the block pool's events (a data-parallel replica's, for the
+    prefix-aware router), or None. Raises ``BackendUnavailable`` when the
+    backend cannot run here.
 
     The steps, in order: ``_load_checkpoint`` (config and tokenizer), the
     backend (``create_backend``), ``_load_model`` (weights, model, draft),
@@ -81,7 +84,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     ``PROGRESS_INTERVAL`` seconds (``LoadProgress``).
     """
     if config.parallel.enabled:
-        return _build_pipelined_core(config)
+        return _build_pipelined_core(config, kv_events)
     t0 = time.monotonic()
     with LoadProgress(log) as progress:
         with progress.step("checkpoint", "reading the config and tokenizer"):
@@ -96,7 +99,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
             runner, layout = _build_runner(config, path, model_config, backend, loaded, plan)
         with progress.step("warm_up", "warming up (compiling the kernels)"):
             _warm_up(config, backend, loaded.model, runner, plan.max_model_len)
-    scheduler = _build_scheduler(config, plan, layout, runner.kv_connector)
+    scheduler = _build_scheduler(config, plan, layout, runner.kv_connector, kv_events)
     _log_decode_path(loaded.model.decode_path)
     _log_ready(config, path, backend, plan, loaded.weights_bytes, time.monotonic() - t0)
     return EngineCore(config, model_config, tokenizer, backend, runner, scheduler, plan,
@@ -135,7 +138,7 @@ def check_parallel(config: EngineConfig, model: ModelConfig) -> None:
         raise ValueError(f"--kv-offloading-size does not run with {flag} yet")
 
 
-def _build_pipelined_core(config: EngineConfig) -> EngineCore:
+def _build_pipelined_core(config: EngineConfig, kv_events: KVEventLog | None) -> EngineCore:
     """``build_engine_core`` with the layers in pipeline stages
     (``kvserve.distributed.pipeline``): the engine's process reads the
     config and tokenizer, plans the KV cache for the stage with the most
@@ -171,7 +174,7 @@ def _build_pipelined_core(config: EngineConfig) -> EngineCore:
                       model_fingerprint(path, config, _HostBackend))
     config = replace(config, scheduler=replace(
         config.scheduler, pipeline_parallel_size=parallel.pipeline_parallel_size))
-    scheduler = _build_scheduler(config, plan, layout, None)
+    scheduler = _build_scheduler(config, plan, layout, None, kv_events)
     weights_bytes = sum(info.weights_bytes for info in executor.infos)
     decode_path = executor.infos[0].decode_path
     _log_decode_path(decode_path)
@@ -404,16 +407,18 @@ def _warm_up(config: EngineConfig, backend: Backend, model: LlamaModel, runner: 
 
 
 def _build_scheduler(config: EngineConfig, plan: KVCachePlan, layout: KVLayout,
-                     connector: KVConnector | None) -> Scheduler:
+                     connector: KVConnector | None,
+                     kv_events: KVEventLog | None = None) -> Scheduler:
     """The scheduler over a block manager of ``plan``'s blocks, which looks
     blocks up in the offload tier when there is one, through a mapping of
-    its own (the connector is the worker's)."""
+    its own (the connector is the worker's), and records its block events
+    in ``kv_events`` when given."""
     tier = connector.tier if connector is not None else None
     use_tier = tier is not None and config.cache.enable_prefix_caching
     external = connector.lookup_view() if use_tier else None  # memory tier (+ disk tier)
     windows = plan.layout.windows if plan.layout is not None else (None,)
     kv = KVCacheManager(plan.num_blocks, plan.block_size, config.cache.enable_prefix_caching,
-                        external=external, windows=windows)
+                        events=kv_events, external=external, windows=windows)
     return Scheduler(replace(config.scheduler, max_model_len=plan.max_model_len), kv,
                      plan.block_size)
 

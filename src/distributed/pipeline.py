@@ -415,6 +415,14 @@ class PipelineRunner(ModelRunner):
     def _allocate_kv_caches(self, num_blocks: int, block_size: int, kv_cache_dtype: str) -> list:
         return []  # every stage holds its own
 
+    def stages_down(self) -> list[int]:
+        """The stages Ray is restarting, by index (``PipelineExecutor.down``)."""
+        return sorted(self.executor.down)
+
+    def close(self) -> None:
+        """Stop the stage processes (``PipelineExecutor.shutdown``)."""
+        self.executor.shutdown()
+
     @property
     def overlaps_steps(self) -> bool:
         """True with several stages: the worker begins a step before the one

@@ -160,6 +160,16 @@ class ModelRunner:
                    for _ in range(self.kv_layout.group_size)]
         return [buffers[slot] for slot in self.kv_layout.layer_slot]
 
+    def stages_down(self) -> list[int]:
+        """Pipeline stages that do not answer now (none in one process: a
+        ``PipelineRunner``'s restarting stages); the engine's ``/health``
+        reads it."""
+        return []
+
+    def close(self) -> None:
+        """Release what outlives the engine's actors (a ``PipelineRunner``'s
+        stage processes); nothing in one process."""
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: update request states, forward, sample.
 

@@ -72,6 +72,17 @@ class Tokenizer:
     Token ids are Python ints. Special tokens are those the ``tokenizer.json`` marks
     special (e.g. ``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>`` for SmolLM2).
 
+    Threads: one object serves the tokenizer actor's pool (prompts and chat
+    templates), the detokenizer on the event loop (decoding), and the API's
+    worker threads (``/tokenize``, ``/detokenize``, echo). That is safe
+    because nothing it holds changes after construction but two lazily
+    computed values (``max_token_bytes``, ``min_tokens_per_message``), each
+    a pure function of the tokenizer, so two threads computing one at once
+    store the same number; the Hugging Face ``tokenizers`` objects are
+    ``Send + Sync`` in Rust and take no Python-side lock; compiled templates
+    are cached by source (``_compile_template``, an ``lru_cache``, whose
+    lookups are thread-safe) and a ``jinja2.Template`` renders re-entrantly.
+
     Args:
         path: checkpoint folder holding ``tokenizer.json`` and, optionally,
             ``tokenizer_config.json``.

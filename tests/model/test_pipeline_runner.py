@@ -250,3 +250,21 @@ def test_pipelined_prefix_cache_hits_and_preemption_match_the_reference(checkpoi
     assert sum(r.num_preemptions for r in tight) > 0
     for request in tight:
         check_against_reference(weights, config, request, entries[request.request_id])
+
+
+def test_the_runner_says_which_stages_are_down_and_closes_them(checkpoint):
+    """Issue 49 item 4: the engine's ``/health`` and ``shutdown`` ask the
+    runner through declared members (``stages_down``, ``close``) instead of
+    reaching for its executor."""
+    from kvserve.model.runner import ModelRunner
+
+    runner, _, executor = make_pipeline(checkpoint, [range(0, 1), range(1, 2)])
+    assert runner.stages_down() == []
+    executor.down = frozenset({1, 0})
+    assert runner.stages_down() == [0, 1]
+    closed = []
+    executor.shutdown = lambda: closed.append(True)
+    runner.close()
+    assert closed == [True]
+    one_process = object.__new__(ModelRunner)  # its defaults need no model
+    assert one_process.stages_down() == [] and one_process.close() is None
